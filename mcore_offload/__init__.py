@@ -1,0 +1,18 @@
+"""mcore-offload: fine-grained, per-module activation offloading for megatron-core 0.15.x.
+
+Users set ``TransformerConfig(fine_grained_activation_offloading=True, offload_modules=[...])`` on a
+megatron-core patched with ``mcore-offload patch apply``; the patched code calls into this package.
+"""
+
+from mcore_offload.config import OFFLOAD_MODULES, validate_offload_config
+from mcore_offload.patching.sites import NotPatchedError, ensure_patched
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "OFFLOAD_MODULES",
+    "NotPatchedError",
+    "ensure_patched",
+    "validate_offload_config",
+    "__version__",
+]

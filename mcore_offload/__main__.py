@@ -1,0 +1,5 @@
+import sys
+
+from mcore_offload.cli import main
+
+sys.exit(main())

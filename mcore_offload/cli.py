@@ -1,0 +1,55 @@
+"""``mcore-offload`` command line: ``mcore-offload patch {apply,check,revert,status} [--megatron-path DIR]``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from mcore_offload.patching import tooling
+
+
+def _patch(args: argparse.Namespace) -> int:
+    install = tooling.find_megatron(args.megatron_path)
+    where = f"megatron-core {install.version} at {install.core}"
+    if args.action == "apply":
+        done = tooling.apply_patches(install)
+        print(f"{where}: applied {', '.join(done)}" if done else f"{where}: already patched, nothing to do")
+        return 0
+    if args.action == "revert":
+        done = tooling.revert_patches(install)
+        print(f"{where}: reverted {', '.join(done)}" if done else f"{where}: not patched, nothing to do")
+        return 0
+    states = tooling.check_patches(install)
+    print(where)
+    for name, state in states.items():
+        print(f"  {name}: {state.value}")
+    if args.action == "status":
+        return 0
+    return 1 if any(s is tooling.PatchState.CONFLICT for s in states.values()) else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mcore-offload", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    patch = sub.add_parser("patch", help="apply, check, revert or show our megatron-core patches")
+    patch.add_argument("action", choices=["apply", "check", "revert", "status"])
+    patch.add_argument("--megatron-path", default=None,
+                       help="directory holding megatron/core (default: the installed megatron-core)")
+    patch.set_defaults(func=_patch)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except tooling.PatchError as exc:
+        print(f"mcore-offload: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""The offload configuration surface: the names users put in ``TransformerConfig`` and their validation.
+
+The three fields (``fine_grained_activation_offloading``, ``offload_modules``, ``min_offloaded_tensor_size``)
+carry upstream megatron-core >= 0.16's names, types and defaults so that a config moves between versions
+unchanged. The patched ``TransformerConfig.__post_init__`` calls :func:`validate_offload_config`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+#: The named offload points, in the order they run inside one transformer layer.
+OFFLOAD_MODULES: tuple[str, ...] = (
+    "attn_norm",
+    "qkv_linear",
+    "core_attn",
+    "attn_proj",
+    "mlp_norm",
+    "expert_fc1",
+    "moe_act",
+)
+
+#: Upstream's default for ``min_offloaded_tensor_size`` (elements).
+DEFAULT_MIN_OFFLOADED_TENSOR_SIZE: int = 1024 * 1024
+
+PATCH_COMMAND = "mcore-offload patch apply"
+
+
+def _allowed() -> str:
+    return ", ".join(OFFLOAD_MODULES)
+
+
+def validate_offload_modules(modules: Sequence[str]) -> list[str]:
+    """Return ``modules`` as a list after checking every name; raise ``ValueError`` on an unknown one."""
+    if isinstance(modules, str):
+        raise ValueError(
+            f"offload_modules must be a list of names, not the string {modules!r}; "
+            f"write offload_modules=[{modules!r}]."
+        )
+    names = list(modules)
+    unknown = [m for m in names if m not in OFFLOAD_MODULES]
+    if unknown:
+        raise ValueError(
+            f"Unknown offload module(s) {unknown}: choose from {_allowed()}."
+        )
+    return names
+
+
+def validate_offload_config(config: Any) -> None:
+    """Check the offload fields of a megatron-core ``TransformerConfig``; raise one actionable ``ValueError``.
+
+    Called from the patched ``TransformerConfig.__post_init__``. Fields are read with ``getattr`` so that
+    the function also accepts any object with the same attribute names (tests, launch scripts).
+    """
+    enabled = bool(getattr(config, "fine_grained_activation_offloading", False))
+    modules = getattr(config, "offload_modules", None)
+    if modules is None:
+        modules = []
+    min_size = getattr(config, "min_offloaded_tensor_size", DEFAULT_MIN_OFFLOADED_TENSOR_SIZE)
+
+    if not isinstance(min_size, int) or isinstance(min_size, bool) or min_size < 0:
+        raise ValueError(
+            f"min_offloaded_tensor_size must be a non-negative number of elements, got {min_size!r}; "
+            f"use 0 to offload every activation or keep the default {DEFAULT_MIN_OFFLOADED_TENSOR_SIZE}."
+        )
+    names = validate_offload_modules(modules)
+    if not enabled:
+        return
+    if not names:
+        raise ValueError(
+            "fine_grained_activation_offloading=True needs at least one name in offload_modules: "
+            f"choose from {_allowed()}."
+        )
+    if "attn_proj" in names and "core_attn" not in names:
+        raise ValueError(
+            "offload_modules has 'attn_proj' without 'core_attn': core attention's backward saves the "
+            "same tensor, so offloading attn_proj alone frees nothing; add 'core_attn' or drop 'attn_proj'."
+        )
+    if getattr(config, "cpu_offloading", False):
+        raise ValueError(
+            "fine_grained_activation_offloading and cpu_offloading (TransformerEngine's layer-level "
+            "offloading) cannot be enabled together; set cpu_offloading=False."
+        )
+
+    # A config patch without the offload-point patches would silently offload nothing.
+    from mcore_offload.patching.sites import ensure_patched
+
+    ensure_patched()

@@ -1,0 +1,1 @@
+"""The offload runtime: handler per (model chunk, microbatch), the step manager, and the patch-site API."""

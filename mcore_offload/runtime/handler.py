@@ -1,0 +1,303 @@
+"""``ChunkOffloadHandler``: the saved activations of one (model chunk, microbatch), group by group.
+
+Life of a group (one named offload point in one layer):
+
+1. forward, inside the point: the saved-tensor pack hook records every eligible tensor (a ``SavedRef``
+   still holding it);
+2. forward, at the point's commit: the group becomes *pending*;
+3. forward, when the next layer starts (or another chunk starts, or another chunk's backward starts):
+   pending groups are *flushed*: each distinct storage they save is copied to host memory on the D2H
+   stream and our references are dropped, so the caching allocator gets the memory back once the copy
+   has read it. A pending group whose own backward arrives before any flush simply stays on the device
+   (the last layer of the chunk that turns around first);
+4. backward, at the commit's backward: the group's storages are reloaded (unless prefetched), the compute
+   stream waits for them, and the previous group's reload is started (prefetch);
+5. backward, at the start's backward: the group is done and its device copies are dropped.
+
+Offloading works on whole *storages*, and a reload rebuilds every saved view with its original offset,
+sizes and strides. Views that alias one another (q, k, v of one fused projection) stay aliased, so every
+kernel sees the very layout it saw in forward and results are bitwise identical.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mcore_offload.runtime.base import HandlerBase
+from mcore_offload.runtime.transport import transport_for
+
+if TYPE_CHECKING:
+    from mcore_offload.runtime.manager import OffloadManager
+
+logger = logging.getLogger(__name__)
+
+# A storage is offloaded only if the views saved from it cover at least half of it: copying a whole
+# large buffer for a small slice (persistent buffers, KV caches) would cost link time and free nothing.
+MIN_STORAGE_COVERAGE = 0.5
+
+
+@dataclass(eq=False)
+class Entry:
+    """One offloaded storage."""
+
+    point: str
+    nbytes: int
+    host: torch.Tensor | None
+    d2h_event: Any
+    device_storage: torch.UntypedStorage | None = None
+    h2d_event: Any = None
+    compute_waited: bool = False
+    users: int = 0  # groups whose backward has not finished yet
+    storage_ref: Any = None  # weakref to the original device storage
+
+
+class SavedRef:
+    """What the pack hook returns for an eligible tensor: the tensor, then (once offloaded) its view."""
+
+    __slots__ = ("tensor", "group", "entry", "dtype", "offset", "size", "stride")
+
+    def __init__(self, tensor: torch.Tensor, group: Group) -> None:
+        self.tensor: torch.Tensor | None = tensor
+        self.group = group
+        self.entry: Entry | None = None
+
+
+@dataclass(eq=False)
+class Group:
+    name: str
+    refs: list[SavedRef] = field(default_factory=list)
+    entries: list[Entry] = field(default_factory=list)
+    committed: bool = False
+    kept_on_device: bool = False
+    done: bool = False
+
+
+def _view_key(t: torch.Tensor) -> tuple:
+    return (t.dtype, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+
+
+class ChunkOffloadHandler(HandlerBase):
+    """Offloads the saved activations of one model chunk (``vp_stage``) for one microbatch."""
+
+    def __init__(
+        self,
+        manager: OffloadManager,
+        vp_stage: int | None,
+        microbatch: int,
+        device: torch.device,
+        min_numel: int,
+        not_offloadable: set[int],
+    ) -> None:
+        # TE's constructors create two CUDA streams per handler and a layer-window schedule; we share one
+        # transport (streams + pinned pool) per device across handlers, so they are deliberately not run.
+        self.manager = manager
+        self.vp_stage = vp_stage
+        self.microbatch = microbatch
+        self.device = device
+        self.min_numel = min_numel
+        self.not_offloadable = not_offloadable
+        self.transport = transport_for(device)
+        self.groupid_reset()
+
+    # ----------------------------------------------------------------------------------------- state
+    def groupid_reset(self) -> None:
+        """Forget every group (TE's name for it)."""
+        self.groups: list[Group] = []  # committed, in commit order
+        self.pending: list[Group] = []
+        self.live: dict[int, Entry] = {}  # data_ptr of a still-alive device storage -> its entry
+        self.backward_started = False
+        self.finished = False
+        # TE attributes that inherited code may read
+        self.current_group, self.tensor_count_current_group = 0, 0
+
+    def open_group(self, name: str) -> Group:
+        return Group(name)
+
+    # --------------------------------------------------------------------------------- pack / unpack
+    def eligible(self, t: torch.Tensor) -> bool:
+        if type(t) is not torch.Tensor or t.layout is not torch.strided or t.device != self.device:
+            return False
+        if t.numel() < self.min_numel or t.is_conj() or t.is_neg():
+            return False
+        if t.requires_grad and t.is_leaf:  # a parameter
+            return False
+        base = t._base
+        if base is not None and base.requires_grad and base.is_leaf:  # a view of a parameter
+            return False
+        if getattr(t, "offloading_activation", True) is False:  # upstream's "do not offload" mark
+            return False
+        return t.untyped_storage().data_ptr() not in self.not_offloadable
+
+    def tensor_push(self, tensor: torch.Tensor, group: Group | None = None, **kwargs: Any) -> Any:
+        """Pack hook: keep ineligible tensors as they are, wrap eligible ones for the group."""
+        if group is None or self.finished or not self.eligible(tensor):
+            return tensor
+        ref = SavedRef(tensor, group)
+        group.refs.append(ref)
+        return ref
+
+    def tensor_pop(self, tensor_tag: Any, **kwargs: Any) -> torch.Tensor:
+        """Unpack hook: give back the tensor, rebuilding an offloaded view on its reloaded storage.
+
+        Never consumes the entry: ``CheckpointWithoutOutput`` reads ``ctx.saved_tensors`` twice.
+        """
+        if not isinstance(tensor_tag, SavedRef):
+            return tensor_tag
+        if tensor_tag.tensor is not None:
+            return tensor_tag.tensor
+        entry = tensor_tag.entry
+        if entry.device_storage is None:
+            if entry.host is None:
+                raise RuntimeError(
+                    f"mcore-offload: a tensor saved at point {entry.point!r} was read after its chunk "
+                    "finished backward; this is a bug, please report it with the model configuration."
+                )
+            logger.debug("inline reload of a %s storage (%d bytes)", entry.point, entry.nbytes)
+            self._reload([entry])
+        if not entry.compute_waited:
+            self.transport.wait(entry.h2d_event)
+            entry.compute_waited = True
+        view = torch.empty(0, dtype=tensor_tag.dtype, device=self.device)
+        view.set_(entry.device_storage, tensor_tag.offset, tensor_tag.size, tensor_tag.stride)
+        return view
+
+    # ---------------------------------------------------------------------------------------- forward
+    def on_group_commit_forward(self, group: Group | None = None) -> None:
+        """The point's forward is complete: the group waits for the next flush."""
+        if group is None or group.committed or self.finished:
+            return
+        group.committed = True
+        if group.refs:
+            self.groups.append(group)
+            self.pending.append(group)
+        self.current_group += 1
+
+    def flush(self) -> None:
+        """Start D2H for every pending group and drop our device references (TE: bulk offload)."""
+        groups, self.pending = self.pending, []
+        if not groups or self.finished:
+            return
+        by_storage: dict[int, tuple[torch.UntypedStorage, list[SavedRef]]] = {}
+        for group in groups:
+            for ref in group.refs:
+                if ref.tensor is not None:
+                    st = ref.tensor.untyped_storage()
+                    by_storage.setdefault(st.data_ptr(), (st, []))[1].append(ref)
+        to_copy: list[tuple[int, torch.UntypedStorage, list[SavedRef]]] = []
+        for ptr, (st, refs) in by_storage.items():
+            entry = self.live.get(ptr)
+            if entry is not None:  # already offloaded by an earlier group of this chunk
+                self._attach(entry, refs)
+                continue
+            covered = sum(
+                t.numel() * t.element_size()
+                for t in {_view_key(r.tensor): r.tensor for r in refs}.values()
+            )
+            if covered >= MIN_STORAGE_COVERAGE * st.nbytes():
+                to_copy.append((ptr, st, refs))
+        if not to_copy:
+            return
+        copies = self.transport.to_host([st for _, st, _ in to_copy])
+        for (ptr, st, refs), (host, event) in zip(to_copy, copies):
+            entry = Entry(point=refs[0].group.name, nbytes=st.nbytes(), host=host, d2h_event=event)
+            entry.storage_ref = weakref.ref(st, self._released_callback(ptr, entry))
+            self.live[ptr] = entry
+            self.manager.on_offloaded(entry)
+            self._attach(entry, refs)
+
+    def _released_callback(self, ptr: int, entry: Entry):
+        def released(_: object) -> None:
+            if self.live.get(ptr) is entry:
+                del self.live[ptr]
+            self.manager.on_released(entry, during_forward=not self.backward_started)
+
+        return released
+
+    @staticmethod
+    def _attach(entry: Entry, refs: list[SavedRef]) -> None:
+        for ref in refs:
+            t = ref.tensor
+            ref.dtype, ref.offset = t.dtype, t.storage_offset()
+            ref.size, ref.stride = tuple(t.shape), tuple(t.stride())
+            ref.entry, ref.tensor = entry, None
+            if entry not in ref.group.entries:
+                ref.group.entries.append(entry)
+                entry.users += 1
+
+    def bulk_offload_group(self, group_to_offload: Any = None) -> None:
+        """TE's name: offload what is pending."""
+        self.flush()
+
+    # --------------------------------------------------------------------------------------- backward
+    def on_group_commit_backward(self, group: Group | None = None) -> None:
+        """Backward reached the group: make its storages resident and prefetch the previous group."""
+        if group is None or self.finished:
+            return
+        self.manager.on_backward(self)
+        if not self.backward_started:
+            self.backward_started = True
+            for g in self.pending:  # backward came before any flush: these never leave the device
+                g.kept_on_device = True
+                self.manager.on_kept(g)
+            self.pending = []
+        self._reload(group.entries)
+        for entry in group.entries:
+            if not entry.compute_waited:
+                self.transport.wait(entry.h2d_event)
+                entry.compute_waited = True
+        idx = self.groups.index(group) if group in self.groups else 0
+        for prev in reversed(self.groups[:idx]):
+            if prev.entries and not prev.done:
+                self._reload(prev.entries)  # prefetch: overlaps with this group's backward
+                break
+        self.current_group = max(self.current_group - 1, 0)
+
+    def bulk_reload_group(self, group_to_reload: Any) -> None:
+        """TE's name: start the reload of one group."""
+        self._reload(group_to_reload.entries)
+
+    def _reload(self, entries: list[Entry]) -> None:
+        for entry in entries:
+            if entry.device_storage is None and entry.host is not None:
+                entry.device_storage, entry.h2d_event = self.transport.to_device(
+                    entry.host, entry.d2h_event, self.device
+                )
+                entry.compute_waited = False
+                self.manager.on_reloaded(entry)
+
+    def on_group_backward_done(self, group: Group) -> None:
+        """The group's whole backward ran: its device copies can go."""
+        if group.done:
+            return
+        group.done = True
+        for entry in group.entries:
+            entry.users -= 1
+            if entry.users == 0:
+                entry.device_storage = None
+        if all(g.done for g in self.groups):
+            self.finish()
+
+    def finish(self) -> None:
+        """Return host buffers to the pool; the handler holds nothing afterwards."""
+        if self.finished:
+            return
+        self.finished = True
+        seen: set[int] = set()
+        for group in self.groups:
+            for entry in group.entries:
+                if id(entry) in seen or entry.host is None:
+                    continue
+                seen.add(id(entry))
+                # The next writer of this buffer waits for the last copy that read it.
+                self.transport.release_host(entry.host, entry.h2d_event)
+                self.manager.on_host_freed(entry)
+                entry.host = None
+                entry.device_storage = None
+        self.pending = []
+        self.live.clear()
+        self.manager.on_handler_finished(self)

@@ -1,0 +1,134 @@
+"""The API the megatron-core patch hunks call. Each patched module imports this module as
+``_mcore_offload_points``; that import is also the marker ``mcore_offload.patching.sites`` looks for.
+
+- ``offload(name, config, tensor)``: context manager around the computation of an offload point. The
+  tensor entering it goes through :class:`GroupStart` (identity; its backward marks the group done) and the
+  tensors saved for backward inside go to the chunk's handler through saved-tensor hooks.
+- ``commit(name, config, value)``: after the point's output is final (for the norms: after the bias-dropout-
+  add that still reads the residual), route it through :class:`GroupCommit` (identity; its forward queues
+  the group for offload, its backward brings the group back before the group's own backward runs).
+- ``begin_chunk`` (GPTModel.forward), ``layer_boundary`` (TransformerLayer.forward) and ``step_boundary``
+  (the three pipeline schedules) drive the manager.
+
+Every function is a cheap no-op unless offloading is enabled for that point and this is a training forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import torch
+
+from mcore_offload.runtime.handler import ChunkOffloadHandler, Group
+from mcore_offload.runtime.manager import get_manager
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class GroupStart(torch.autograd.Function):
+    """Identity at the entry of an offload point; backward: the group's backward is complete."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, handler: ChunkOffloadHandler, group: Group):
+        ctx.handler, ctx.group = handler, group
+        return tensor
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.handler.on_group_backward_done(ctx.group)
+        return grad, None, None
+
+
+class GroupCommit(torch.autograd.Function):
+    """Identity at the end of an offload point; forward queues the group, backward reloads it."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, handler: ChunkOffloadHandler, group: Group):
+        handler.on_group_commit_forward(group)
+        ctx.handler, ctx.group = handler, group
+        return tensor
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.handler.on_group_commit_backward(ctx.group)
+        return grad, None, None
+
+
+@contextlib.contextmanager
+def offload(name: str | None, config: Any, tensor: torch.Tensor) -> Iterator[torch.Tensor]:
+    """Offload what is saved for backward inside this block (see the module docstring)."""
+    manager = get_manager()
+    handler = manager.handler_for(config, name)
+    if handler is None or not isinstance(tensor, torch.Tensor):
+        yield tensor
+        return
+    group = handler.open_group(name)
+    if tensor.requires_grad:
+        tensor = GroupStart.apply(tensor, handler, group)
+    pack = functools.partial(handler.tensor_push, group=group)
+    with torch.autograd.graph.saved_tensors_hooks(pack, handler.tensor_pop):
+        yield tensor
+    manager.open_groups[(id(handler), name)] = group
+    manager.group_closed(group)
+
+
+def commit(name: str | None, config: Any, value: Any) -> Any:
+    """Mark the end of point ``name``; ``value`` is a tensor or a tuple/list whose first item is one."""
+    if name is None:
+        return value
+    manager = get_manager()
+    handler = manager.handler_for(config, name)
+    if handler is None:
+        return value
+    group = manager.open_groups.pop((id(handler), name), None)
+    if group is None:
+        return value
+    if isinstance(value, (tuple, list)):
+        first = value[0]
+        if isinstance(first, torch.Tensor) and first.requires_grad:
+            first = GroupCommit.apply(first, handler, group)
+        else:
+            handler.on_group_commit_forward(group)
+        return type(value)((first, *value[1:]))
+    if isinstance(value, torch.Tensor) and value.requires_grad:
+        return GroupCommit.apply(value, handler, group)
+    handler.on_group_commit_forward(group)
+    return value
+
+
+def begin_chunk(config: Any, vp_stage: int | None, model: torch.nn.Module) -> None:
+    """Called by ``GPTModel.forward``: a model chunk (``vp_stage``) starts a forward."""
+    if getattr(config, "fine_grained_activation_offloading", False):
+        get_manager().begin_chunk(config, vp_stage, model)
+
+
+def layer_boundary(config: Any) -> None:
+    """Called at the top of ``TransformerLayer.forward``."""
+    if getattr(config, "fine_grained_activation_offloading", False):
+        get_manager().layer_boundary()
+
+
+def step_boundary(schedule: F) -> F:
+    """Decorates megatron-core's schedule functions: end-of-step reset, even when the step raises."""
+
+    @functools.wraps(schedule)
+    def run_schedule(*args: Any, **kwargs: Any) -> Any:
+        completed = False
+        try:
+            result = schedule(*args, **kwargs)
+            completed = True
+            return result
+        finally:
+            get_manager().end_step(aborted=not completed)
+
+    return run_schedule
+
+
+def mark_not_offloadable(*tensors: torch.Tensor | None) -> None:
+    """Keep these tensors on the device whatever point saves them (upstream's attribute convention)."""
+    for t in tensors:
+        if t is not None:
+            t.offloading_activation = False

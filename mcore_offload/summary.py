@@ -1,0 +1,126 @@
+"""Per-rank offload accounting: bytes per offload point, host-resident high-water mark, and a table.
+
+Counters per point and step: ``offloaded`` (copied to host), ``released_in_forward`` (device storage
+actually freed before the chunk's backward began: the bytes that lower the peak), ``released_late``,
+``reloaded`` and ``kept_on_device`` (last-layer groups whose backward came first, never copied).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+COUNTERS = ("offloaded", "released_in_forward", "released_late", "reloaded", "kept_on_device")
+
+
+def _new_points() -> dict[str, dict[str, int]]:
+    return defaultdict(lambda: dict.fromkeys(COUNTERS, 0))
+
+
+@dataclass
+class StepRecord:
+    step: int
+    aborted: bool
+    points: dict[str, dict[str, int]]
+
+    def total(self, counter: str) -> int:
+        return sum(c[counter] for c in self.points.values())
+
+
+@dataclass
+class OffloadSummary:
+    """Counters of this rank. ``steps`` holds one record per training step that offloaded anything."""
+
+    steps: list[StepRecord] = field(default_factory=list)
+    host_resident_bytes: int = 0
+    host_resident_peak_bytes: int = 0
+    _current: dict[str, dict[str, int]] = field(default_factory=_new_points)
+
+    def add(self, point: str, counter: str, nbytes: int) -> None:
+        self._current[point][counter] += nbytes
+
+    def host_resident(self, delta: int) -> None:
+        self.host_resident_bytes += delta
+        self.host_resident_peak_bytes = max(self.host_resident_peak_bytes, self.host_resident_bytes)
+
+    def step_has_activity(self) -> bool:
+        return bool(self._current)
+
+    def close_step(self, aborted: bool = False) -> None:
+        points = {k: dict(v) for k, v in self._current.items()}
+        self.steps.append(StepRecord(len(self.steps), aborted, points))
+        self._current = _new_points()
+
+    @property
+    def last_step(self) -> StepRecord | None:
+        return self.steps[-1] if self.steps else None
+
+    def as_dict(self) -> dict[str, Any]:
+        from mcore_offload.runtime.transport import _TRANSPORTS
+
+        last = self.last_step
+        return {
+            "steps": len(self.steps),
+            "last_step": last.points if last else {},
+            "host_resident_peak_bytes": self.host_resident_peak_bytes,
+            "host_resident_bytes": self.host_resident_bytes,
+            "host_buffer_allocations": sum(t.pool.allocations for t in _TRANSPORTS.values()),
+            "host_buffer_bytes": sum(t.pool.allocated_bytes for t in _TRANSPORTS.values()),
+        }
+
+    def table(self, rank: int | None = None) -> str:
+        """The last step per point, in MiB, as a fixed-width table."""
+        last = self.last_step
+        head = f"mcore-offload summary{'' if rank is None else f' (rank {rank})'}"
+        if last is None:
+            return f"{head}: nothing offloaded yet"
+        mib = 1024 * 1024
+        cols = ("point",) + COUNTERS
+        lines = [head + f", step {last.step}" + (" (aborted)" if last.aborted else ""),
+                 " ".join(f"{c:>20}" for c in cols)]
+        for name in sorted(last.points):
+            row = last.points[name]
+            lines.append(f"{name:>20} " + " ".join(f"{row[c] / mib:>20.2f}" for c in COUNTERS))
+        lines.append(f"{'all (MiB)':>20} " + " ".join(f"{last.total(c) / mib:>20.2f}" for c in COUNTERS))
+        lines.append(f"host-resident high-water mark: {self.host_resident_peak_bytes / mib:.2f} MiB")
+        return "\n".join(lines)
+
+
+def get_summary() -> OffloadSummary:
+    """This rank's summary (a live object; it keeps counting)."""
+    from mcore_offload.runtime.manager import get_manager
+
+    return get_manager().summary
+
+
+def gather_summaries(group: Any = None) -> list[dict[str, Any]] | None:
+    """Every rank of ``group`` calls this; rank 0 of the group gets all ranks' dicts, others None.
+
+    The collective runs on ``group`` only (default: the whole world), so it completes exactly when every
+    rank of that group reaches it; never call it from a code path that only some of its ranks take.
+    """
+    import torch.distributed as dist
+
+    mine = get_summary().as_dict()
+    if not (dist.is_available() and dist.is_initialized()):
+        return [mine]
+    mine["rank"] = dist.get_rank()
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    return gathered if dist.get_rank(group) == 0 else None
+
+
+def format_rank_table(rows: list[dict[str, Any]]) -> str:
+    """One line per rank: bytes offloaded in the last step per point and the host high-water mark."""
+    mib = 1024 * 1024
+    lines = [f"{'rank':>5} {'point':>12} {'offloaded MiB':>14} {'released MiB':>13} {'host peak MiB':>14}"]
+    for r in rows:
+        for name, c in sorted(r["last_step"].items()):
+            lines.append(f"{r.get('rank', 0):>5} {name:>12} {c['offloaded'] / mib:>14.2f} "
+                         f"{c['released_in_forward'] / mib:>13.2f} "
+                         f"{r['host_resident_peak_bytes'] / mib:>14.2f}")
+    return "\n".join(lines)

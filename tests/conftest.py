@@ -1,0 +1,39 @@
+"""Shared fixtures. The test environment's megatron-core is patched (``make test`` runs
+``mcore-offload patch apply`` first); patch-tooling tests work on private copies."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from mcore_offload.patching import tooling
+
+
+@pytest.fixture(scope="session")
+def pristine_megatron(tmp_path_factory) -> Path:
+    """A private, unpatched copy of the installed megatron-core (root directory holding megatron/)."""
+    install = tooling.find_megatron()
+    root = tmp_path_factory.mktemp("pristine")
+    shutil.copytree(install.root / "megatron", root / "megatron",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    copy = tooling.MegatronInstall(root=root, version=install.version)
+    tooling.revert_patches(copy)  # the environment's copy may be patched
+    return root
+
+
+@pytest.fixture
+def megatron_copy(pristine_megatron, tmp_path) -> tooling.MegatronInstall:
+    """A fresh unpatched copy per test."""
+    shutil.copytree(pristine_megatron / "megatron", tmp_path / "megatron")
+    return tooling.find_megatron(tmp_path)
+
+
+@pytest.fixture(autouse=True)
+def _reset_offload_state():
+    """No offload state leaks between tests."""
+    yield
+    from mcore_offload.runtime.manager import reset
+
+    reset()

@@ -1,0 +1,106 @@
+"""The config surface: upstream's field names and defaults, and one actionable error per mistake."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from mcore_offload.config import OFFLOAD_MODULES, validate_offload_config
+from mcore_offload.patching import tooling
+
+
+def make_config(**kw):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, **kw)
+
+
+def test_fields_have_upstream_names_types_and_defaults():
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    fields = {f.name: f for f in dataclasses.fields(TransformerConfig)}
+    assert fields["fine_grained_activation_offloading"].default is False
+    assert fields["offload_modules"].default_factory() == []
+    assert fields["min_offloaded_tensor_size"].default == 1024 * 1024
+    cfg = make_config()
+    assert (cfg.fine_grained_activation_offloading, cfg.offload_modules,
+            cfg.min_offloaded_tensor_size) == (False, [], 1024 * 1024)
+    cfg = make_config(fine_grained_activation_offloading=True, offload_modules=list(OFFLOAD_MODULES),
+                      min_offloaded_tensor_size=0)
+    assert cfg.offload_modules == list(OFFLOAD_MODULES)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(offload_modules=["core_attn", "mlp"]),
+         r"Unknown offload module\(s\) \['mlp'\]: choose from attn_norm, qkv_linear, core_attn, "
+         r"attn_proj, mlp_norm, expert_fc1, moe_act\."),
+        (dict(offload_modules=[]), r"needs at least one name in offload_modules: choose from attn_norm"),
+        (dict(offload_modules=["attn_proj"]), r"'attn_proj' without 'core_attn'.*add 'core_attn'"),
+        (dict(offload_modules=["core_attn"], cpu_offloading=True, cpu_offloading_num_layers=1),
+         r"cannot be enabled together; set cpu_offloading=False"),
+        (dict(offload_modules=["core_attn"], min_offloaded_tensor_size=-1),
+         r"min_offloaded_tensor_size must be a non-negative number"),
+        (dict(offload_modules="core_attn"), r"must be a list of names.*offload_modules=\['core_attn'\]"),
+    ],
+)
+def test_each_validation_error(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        make_config(fine_grained_activation_offloading=True, **kwargs)
+
+
+def test_unknown_module_is_an_error_even_when_disabled():
+    with pytest.raises(ValueError, match="Unknown offload module"):
+        make_config(offload_modules=["qkv"])
+
+
+def test_validator_accepts_plain_objects():
+    class Cfg:
+        fine_grained_activation_offloading = False
+        offload_modules = ["core_attn"]
+        min_offloaded_tensor_size = 0
+
+    validate_offload_config(Cfg())
+
+
+def _run_with_megatron(root, code: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.getcwd()]))
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
+                          capture_output=True, text=True)
+
+
+def test_unpatched_megatron_fails_loudly_with_the_fixing_command(megatron_copy):
+    result = _run_with_megatron(megatron_copy.root, """
+        import mcore_offload
+        try:
+            mcore_offload.ensure_patched()
+        except mcore_offload.NotPatchedError as e:
+            print("ERROR:", e)
+    """)
+    assert "ERROR: megatron-core 0.15.3" in result.stdout, result.stderr
+    assert "run `mcore-offload patch apply`" in result.stdout
+
+
+def test_config_patch_alone_refuses_to_enable(megatron_copy):
+    """A half-patched install (fields but no offload points) must not silently offload nothing."""
+    config_patch = tooling.patch_files(megatron_copy.version)[0]
+    subprocess.run(["git", "apply", "-p1", str(config_patch)], cwd=megatron_copy.root, check=True)
+    result = _run_with_megatron(megatron_copy.root, """
+        from megatron.core.transformer.transformer_config import TransformerConfig
+        TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4)  # disabled: fine
+        try:
+            TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
+                              fine_grained_activation_offloading=True, offload_modules=["core_attn"])
+        except RuntimeError as e:
+            print("ERROR:", e)
+    """)
+    assert "ERROR:" in result.stdout, result.stderr
+    assert "missing: attn_norm / mlp_norm points" in result.stdout
+    assert "qkv_linear / core_attn / attn_proj points" in result.stdout
+    assert "run `mcore-offload patch apply`" in result.stdout
