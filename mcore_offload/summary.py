@@ -2,7 +2,8 @@
 
 Counters per point and step: ``offloaded`` (copied to host), ``released_in_forward`` (device storage
 actually freed before the chunk's backward began: the bytes that lower the peak), ``released_late``,
-``reloaded`` and ``kept_on_device`` (last-layer groups whose backward came first, never copied).
+``reloaded``, ``kept_on_device`` (last-layer groups whose backward came first, never copied) and
+``skipped_aliased`` (storages another live tensor still held at offload time: copying them frees nothing).
 """
 
 from __future__ import annotations
@@ -14,7 +15,14 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-COUNTERS = ("offloaded", "released_in_forward", "released_late", "reloaded", "kept_on_device")
+COUNTERS = (
+    "offloaded",
+    "released_in_forward",
+    "released_late",
+    "reloaded",
+    "kept_on_device",
+    "skipped_aliased",
+)
 
 
 def _new_points() -> dict[str, dict[str, int]]:

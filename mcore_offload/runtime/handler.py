@@ -81,6 +81,20 @@ def _view_key(t: torch.Tensor) -> tuple:
     return (t.dtype, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
 
 
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _held_elsewhere(storage: torch.UntypedStorage, refs: list[SavedRef]) -> bool:
+    """Whether a tensor other than the ones we hold references ``storage``."""
+    if _storage_use_count is None:  # private API gone: assume sole ownership, as TE does
+        return False
+    tensors = {id(r.tensor): r.tensor for r in refs}
+    # A view keeps its base alive, so the base counts as ours too (``_base`` is always the root).
+    bases = {id(t._base) for t in tensors.values() if t._base is not None} - tensors.keys()
+    ours = len(tensors) + len(bases) + 1  # + the storage object we hold
+    return _storage_use_count(storage._cdata) > ours
+
+
 class ChunkOffloadHandler(HandlerBase):
     """Offloads the saved activations of one model chunk (``vp_stage``) for one microbatch."""
 
@@ -198,8 +212,14 @@ class ChunkOffloadHandler(HandlerBase):
                 t.numel() * t.element_size()
                 for t in {_view_key(r.tensor): r.tensor for r in refs}.values()
             )
-            if covered >= MIN_STORAGE_COVERAGE * st.nbytes():
-                to_copy.append((ptr, st, refs))
+            if covered < MIN_STORAGE_COVERAGE * st.nbytes():
+                continue
+            if _held_elsewhere(st, refs):
+                # Another live tensor (a residual, a mask shared by all layers, a tensor saved outside
+                # the group) keeps the storage: copying it would free nothing.
+                self.manager.on_skipped(refs[0].group.name, st.nbytes())
+                continue
+            to_copy.append((ptr, st, refs))
         if not to_copy:
             return
         copies = self.transport.to_host([st for _, st, _ in to_copy])

@@ -142,6 +142,9 @@ class OffloadManager:
     def on_host_freed(self, entry: Entry) -> None:
         self.summary.host_resident(-entry.nbytes)
 
+    def on_skipped(self, point: str, nbytes: int) -> None:
+        self.summary.add(point, "skipped_aliased", nbytes)
+
     def on_kept(self, group: Group) -> None:
         nbytes = sum(r.tensor.numel() * r.tensor.element_size() for r in group.refs
                      if r.tensor is not None)

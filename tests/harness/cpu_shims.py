@@ -22,6 +22,7 @@ import contextlib
 import functools
 import importlib
 import operator
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -36,6 +37,14 @@ __all__ = [
 ]
 
 _CPU = torch.device("cpu")
+
+# Two copies of this module (imported as ``harness.cpu_shims`` and ``tests.harness.cpu_shims``)
+# would keep two registries and record each other's shims as "originals".
+if {"harness.cpu_shims", "tests.harness.cpu_shims"} - {__name__} & sys.modules.keys():
+    raise ImportError(
+        f"{__name__}: the CPU shims are already imported under another name; import the"
+        " harness under one package name only (tests.harness)"
+    )
 
 #: megatron modules whose global ``torch`` is replaced by :class:`_TorchOnCpu`, with the reason
 #: (line numbers are from the 0.15.3 wheel).
@@ -89,7 +98,7 @@ _MISSING = object()
 
 
 def _cpu_device(device: Any) -> Any:
-    """Map a CUDA device spec (``"cuda"``, ``"cuda:0"``, ``torch.device("cuda")``, an int) to CPU."""
+    """Map a CUDA device spec ("cuda", "cuda:0", torch.device("cuda"), an int) to CPU."""
     if isinstance(device, bool):
         return device
     if isinstance(device, int):
@@ -245,7 +254,9 @@ def _get_cuda_rng_state(
     return torch.empty(0, dtype=torch.uint8)
 
 
-def _set_cuda_rng_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False) -> None:
+def _set_cuda_rng_state(
+    new_state: torch.Tensor, device: int = -1, graph_safe: bool = False
+) -> None:
     """random._set_cuda_rng_state: no CUDA RNG to restore (the CPU state is restored by callers)."""
 
 

@@ -226,8 +226,12 @@ def build_gpt_chunks(
             transformer_layer_spec=spec,
             vocab_size=vocab_size,
             max_sequence_length=max_seq_len,
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            pre_process=parallel_state.is_pipeline_first_stage(
+                ignore_virtual=False, vp_stage=stage
+            ),
+            post_process=parallel_state.is_pipeline_last_stage(
+                ignore_virtual=False, vp_stage=stage
+            ),
             share_embeddings_and_output_weights=share_embeddings_and_output_weights,
             position_embedding_type=position_embedding_type,
             vp_stage=stage,
@@ -345,7 +349,9 @@ def global_param_names(chunk: torch.nn.Module) -> dict[str, str]:
     Global names are unique across all chunks and ranks of one model.
     """
     decoder = getattr(chunk, "decoder", None)
-    offsets = {j: layer.layer_number - 1 for j, layer in enumerate(decoder.layers)} if decoder else {}
+    offsets = (
+        {j: layer.layer_number - 1 for j, layer in enumerate(decoder.layers)} if decoder else {}
+    )
     mapping = {}
     for name, _ in chunk.named_parameters():
         match = _LOCAL_LAYER.match(name)

@@ -144,4 +144,6 @@ def run_multiprocess(
             failure = "a worker failed"
         if failure is not None:
             raise _collect_errors(out, procs, failure)
-        return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]
+        return [
+            torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)
+        ]

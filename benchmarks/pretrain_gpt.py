@@ -1,0 +1,257 @@
+"""GPT / MoE pretraining on mock tokens with megatron-core, Megatron-LM-style flags, launched by torchrun.
+
+    torchrun --nproc-per-node 1 benchmarks/pretrain_gpt.py --num-layers 16 --hidden-size 2048 \
+        --num-attention-heads 16 --ffn-hidden-size 8192 --seq-length 4096 --micro-batch-size 1 \
+        --num-microbatches 4 --bf16 --transformer-impl transformer_engine --train-iters 10 \
+        --fine-grained-activation-offloading --offload-modules core_attn --json-out run.json
+
+Logs loss, step time and per-rank peak memory; writes one JSON with every rank's numbers. The same
+script runs on upstream megatron-core 0.16.1, whose native implementation reads the same config fields.
+On megatron-core 0.15.x the offload flags need ``mcore-offload patch apply`` first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+logger = logging.getLogger("pretrain_gpt")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--num-layers", type=int, default=2)
+    a("--hidden-size", type=int, default=64)
+    a("--num-attention-heads", type=int, default=4)
+    a("--num-query-groups", type=int, default=None)
+    a("--ffn-hidden-size", type=int, default=None)
+    a("--seq-length", type=int, default=128)
+    a("--vocab-size", type=int, default=32000)
+    a("--micro-batch-size", type=int, default=1)
+    a("--num-microbatches", type=int, default=None)
+    a("--global-batch-size", type=int, default=None)
+    a("--tensor-model-parallel-size", type=int, default=1)
+    a("--sequence-parallel", action="store_true")
+    a("--pipeline-model-parallel-size", type=int, default=1)
+    a("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    a("--virtual-pipeline-model-parallel-size", type=int, default=None)
+    a("--expert-model-parallel-size", type=int, default=1)
+    a("--num-experts", type=int, default=None)
+    a("--moe-router-topk", type=int, default=2)
+    a("--moe-ffn-hidden-size", type=int, default=None)
+    a("--moe-token-dispatcher-type", default=None, choices=["allgather", "alltoall"])
+    a("--transformer-impl", default="transformer_engine", choices=["transformer_engine", "local"])
+    a("--bf16", action="store_true")
+    a("--recompute-granularity", default=None, choices=["full", "selective"])
+    a("--recompute-modules", nargs="*", default=None)
+    a("--fine-grained-activation-offloading", action="store_true")
+    a("--offload-modules", nargs="*", default=[])
+    a("--min-offloaded-tensor-size", type=int, default=1024 * 1024)
+    a("--train-iters", type=int, default=10)
+    a("--log-interval", type=int, default=1)
+    a("--lr", type=float, default=1e-4)
+    a("--seed", type=int, default=1234)
+    a("--json-out", default=None, help="write every rank's results here (rank 0)")
+    a("--label", default="", help="free text stored in the JSON")
+    args = p.parse_args(argv)
+    if args.num_microbatches is None:
+        args.num_microbatches = max(1, (args.global_batch_size or args.micro_batch_size) // args.micro_batch_size)
+    if args.num_layers_per_virtual_pipeline_stage and not args.virtual_pipeline_model_parallel_size:
+        per_stage = args.num_layers // args.pipeline_model_parallel_size
+        args.virtual_pipeline_model_parallel_size = per_stage // args.num_layers_per_virtual_pipeline_stage
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = 4 * args.hidden_size
+    return args
+
+
+def init_distributed(args) -> torch.device:
+    from megatron.core import parallel_state, tensor_parallel
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend="nccl" if cuda else "gloo")
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+    return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+
+
+def build_config(args):
+    from megatron.core.transformer import TransformerConfig
+
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    te = args.transformer_impl == "transformer_engine"
+    kw = dict(
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+        ffn_hidden_size=args.ffn_hidden_size,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        bf16=args.bf16, params_dtype=dtype, pipeline_dtype=dtype,
+        normalization="RMSNorm" if te else "LayerNorm", gated_linear_unit=te, activation_func=F.silu if te else F.gelu,
+        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+        bias_activation_fusion=te, masked_softmax_fusion=False, bias_dropout_fusion=te,
+        gradient_accumulation_fusion=False, use_cpu_initialization=not torch.cuda.is_available(),
+        recompute_granularity=args.recompute_granularity, recompute_modules=args.recompute_modules,
+        transformer_impl=args.transformer_impl,
+    )
+    if args.pipeline_model_parallel_size > 1 and args.virtual_pipeline_model_parallel_size:
+        kw.update(overlap_p2p_comm=True, batch_p2p_comm=False)
+    if args.num_experts:
+        kw.update(num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+                  moe_ffn_hidden_size=args.moe_ffn_hidden_size or args.ffn_hidden_size,
+                  moe_grouped_gemm=te, moe_aux_loss_coeff=1e-2,
+                  moe_token_dispatcher_type=args.moe_token_dispatcher_type
+                  or ("alltoall" if torch.cuda.is_available() else "allgather"))
+    if args.fine_grained_activation_offloading:
+        kw.update(fine_grained_activation_offloading=True, offload_modules=list(args.offload_modules),
+                  min_offloaded_tensor_size=args.min_offloaded_tensor_size)
+    return TransformerConfig(**kw)
+
+
+def build_model(args, config) -> list[torch.nn.Module]:
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if args.transformer_impl == "transformer_engine":
+        spec = specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=args.num_experts, moe_grouped_gemm=bool(args.num_experts))
+    else:
+        spec = specs.get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False)
+    vpp = args.virtual_pipeline_model_parallel_size
+    torch.manual_seed(args.seed)
+    chunks = []
+    for vp in range(vpp or 1):
+        stage = vp if vpp else None
+        chunks.append(GPTModel(
+            config=config, transformer_layer_spec=spec, vocab_size=args.vocab_size,
+            max_sequence_length=args.seq_length,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            share_embeddings_and_output_weights=False,
+            position_embedding_type="rope" if args.transformer_impl == "transformer_engine"
+            else "learned_absolute",
+            vp_stage=stage))
+    for c in chunks:
+        c.train()
+    return chunks
+
+
+def batches(args, step: int, device):
+    """Deterministic mock tokens for one step: the same for every run and every layout."""
+    gen = torch.Generator().manual_seed(args.seed * 1000 + step)
+    out = []
+    for _ in range(args.num_microbatches):
+        seq = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length + 1), generator=gen)
+        out.append({
+            "tokens": seq[:, :-1].to(device), "labels": seq[:, 1:].to(device),
+            "position_ids": torch.arange(args.seq_length).expand(args.micro_batch_size, -1).to(device),
+            "loss_mask": torch.ones(args.micro_batch_size, args.seq_length, device=device),
+        })
+    return out
+
+
+def loss_func(loss_mask, output_tensor):
+    loss = (output_tensor.float() * loss_mask).sum() / loss_mask.sum()
+    return loss, {"lm loss": loss.detach()}
+
+
+def forward_step(data_iterator, model):
+    b = next(data_iterator)
+    out = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
+    return out, partial(loss_func, b["loss_mask"])
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    device = init_distributed(args)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    import megatron.core as mc
+
+    if args.fine_grained_activation_offloading and mc.__version__.startswith("0.15"):
+        import mcore_offload
+
+        mcore_offload.ensure_patched()
+    config = build_config(args)
+    chunks = build_model(args, config)
+    params = [p for c in chunks for p in c.parameters()]
+    opt = torch.optim.SGD(params, lr=args.lr)
+    fb = get_forward_backward_func()
+    cuda = device.type == "cuda"
+    losses, step_ms = [], []
+    for step in range(args.train_iters):
+        if cuda and step == 1:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        data = batches(args, step, device)
+        iters = [iter(data) for _ in chunks] if len(chunks) > 1 else iter(data)
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = fb(forward_step_func=forward_step, data_iterator=iters,
+                 model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=args.num_microbatches,
+                 seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, forward_only=False)
+        opt.step()
+        if cuda:
+            torch.cuda.synchronize()
+        step_ms.append((time.perf_counter() - t0) * 1e3)
+        if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+            loss = torch.stack([o["lm loss"] for o in out]).mean().item() if out else float("nan")
+        else:
+            loss = None
+        losses.append(loss)
+        if rank == 0 and step % args.log_interval == 0 or (loss is not None and rank == world - 1
+                                                            and step % args.log_interval == 0):
+            logger.info("rank %d step %d/%d loss %s step %.1f ms peak %.2f GiB", rank, step + 1,
+                        args.train_iters, "-" if loss is None else f"{loss:.6f}", step_ms[-1],
+                        torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0)
+    row = {
+        "rank": rank, "label": args.label, "impl_version": mc.__version__,
+        "losses": losses, "loss_hex": [None if x is None else float(x).hex() for x in losses],
+        "step_ms": step_ms, "step_ms_median": statistics.median(step_ms[2:] if len(step_ms) > 4 else step_ms),
+        "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "offload_modules": args.offload_modules if args.fine_grained_activation_offloading else [],
+    }
+    if args.fine_grained_activation_offloading and mc.__version__.startswith("0.15"):
+        from mcore_offload.summary import get_summary
+
+        row["offload"] = get_summary().as_dict()
+        logger.info("rank %d\n%s", rank, get_summary().table(rank))
+    rows = [None] * world
+    dist.all_gather_object(rows, row)
+    if rank == 0 and args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"args": vars(args), "ranks": rows}, f, indent=1)
+    dist.barrier()
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
