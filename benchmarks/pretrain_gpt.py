@@ -62,6 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--log-interval", type=int, default=1)
     a("--lr", type=float, default=1e-4)
     a("--seed", type=int, default=1234)
+    a("--deterministic", action="store_true",
+      help="deterministic kernels (torch deterministic algorithms, TE deterministic attention)")
+    a("--memory-timeline", action="store_true", help="log allocated memory around every microbatch")
     a("--json-out", default=None, help="write every rank's results here (rank 0)")
     a("--label", default="", help="free text stored in the JSON")
     args = p.parse_args(argv)
@@ -176,15 +179,32 @@ def loss_func(loss_mask, output_tensor):
     return loss, {"lm loss": loss.detach()}
 
 
+TIMELINE: list[tuple[str, int]] | None = None
+
+
+def _mark(what: str) -> None:
+    if TIMELINE is not None:
+        TIMELINE.append((what, torch.cuda.memory_allocated()))
+
+
 def forward_step(data_iterator, model):
     b = next(data_iterator)
+    _mark("fwd-start")
     out = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
+    _mark("fwd-end")
+    if TIMELINE is not None and out.requires_grad:
+        out.register_hook(lambda g: _mark("bwd-start"))
     return out, partial(loss_func, b["loss_mask"])
 
 
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args = parse_args(argv)
+    if args.deterministic:
+        # MoE token (un)permutation uses scatter_add, nondeterministic on CUDA unless asked.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+        torch.use_deterministic_algorithms(True, warn_only=True)
     device = init_distributed(args)
     rank, world = dist.get_rank(), dist.get_world_size()
     from megatron.core import parallel_state
@@ -200,6 +220,10 @@ def main(argv=None) -> int:
     params = [p for c in chunks for p in c.parameters()]
     opt = torch.optim.SGD(params, lr=args.lr)
     fb = get_forward_backward_func()
+    global TIMELINE
+    if args.memory_timeline and device.type == "cuda":
+        TIMELINE = []
+        logging.getLogger("mcore_offload").setLevel(logging.DEBUG)
     cuda = device.type == "cuda"
     losses, step_ms = [], []
     for step in range(args.train_iters):
@@ -235,6 +259,7 @@ def main(argv=None) -> int:
         "step_ms": step_ms, "step_ms_median": statistics.median(step_ms[2:] if len(step_ms) > 4 else step_ms),
         "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
         "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "memory_timeline_MiB": [(w, round(b / 2**20, 1)) for w, b in TIMELINE or []],
         "offload_modules": args.offload_modules if args.fine_grained_activation_offloading else [],
     }
     if args.fine_grained_activation_offloading and mc.__version__.startswith("0.15"):

@@ -1,4 +1,4 @@
-"""The CPU harness runs real megatron-core GPTModels through get_forward_backward_func() (1 rank)."""
+"""The CPU harness runs real megatron-core GPTModels through get_forward_backward_func()."""
 
 from __future__ import annotations
 

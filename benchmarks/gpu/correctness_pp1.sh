@@ -11,8 +11,9 @@ else echo "no git on this host: copying files patched by mcore-offload patch app
 python3 -c "import mcore_offload; mcore_offload.ensure_patched(); print(\"patched ok\")" || exit 1
 dense="--num-layers 16 --hidden-size 2048 --num-attention-heads 16 --ffn-hidden-size 8192"
 moe="--num-layers 8 --hidden-size 2048 --num-attention-heads 16 --ffn-hidden-size 8192 --num-experts 16 --moe-router-topk 4 --moe-ffn-hidden-size 1024"
-common="--seq-length 4096 --micro-batch-size 1 --num-microbatches 2 --bf16 --transformer-impl transformer_engine --train-iters $iters --min-offloaded-tensor-size 1048576"
+common="--deterministic --seq-length 4096 --micro-batch-size 1 --num-microbatches 2 --bf16 --transformer-impl transformer_engine --train-iters $iters --min-offloaded-tensor-size 1048576"
 port=29500
+[ "${SMOKE:-1}" = 0 ] || {
 # Smoke first (tiny MoE, every point): a broken build should cost seconds, not the whole matrix.
 timeout 240 torchrun --nproc-per-node 1 --master-port 29499 benchmarks/pretrain_gpt.py --num-layers 4 \
   --hidden-size 1024 --num-attention-heads 8 --seq-length 1024 --num-experts 4 --moe-router-topk 2 \
@@ -20,15 +21,17 @@ timeout 240 torchrun --nproc-per-node 1 --master-port 29499 benchmarks/pretrain_
   --offload-modules attn_norm qkv_linear core_attn attn_proj mlp_norm expert_fc1 moe_act \
   > "$out/smoke.log" 2>&1 || { echo "SMOKE FAILED"; grep -v -i warn "$out/smoke.log" | tail -60; exit 1; }
 grep -A12 "mcore-offload summary" "$out/smoke.log" | head -14
+}
 launch() {  # name model-args variant offload-modules...
   local name=$1 margs=$2 variant=$3; shift 3
   local flags=""; [ $# -gt 0 ] && flags="--fine-grained-activation-offloading --offload-modules $*"
-  port=$((port + 1))
-  timeout 400 torchrun --nproc-per-node 1 --master-port $port benchmarks/pretrain_gpt.py $margs $common \
+  timeout 400 torchrun --nproc-per-node 1 --master-port $PORT benchmarks/pretrain_gpt.py $margs $common \
     $flags --label "$name $variant" --json-out "$out/${name}__${variant}.json" > "$out/${name}__${variant}.log" 2>&1 \
     || echo "RUN FAILED: $name $variant (see log)"
 }
-batch() { for job in "$@"; do eval "launch $job" & done; wait; }
+batch() {  # run the jobs concurrently (peak memory is per process; losses do not depend on it)
+  for job in "$@"; do port=$((port + 1)); (PORT=$port; eval "launch $job") & done; wait
+}
 batch "dense '$dense' baseline" "moe '$moe' baseline" \
       "dense '$dense' all attn_norm qkv_linear core_attn attn_proj mlp_norm" \
       "moe '$moe' all attn_norm qkv_linear core_attn attn_proj mlp_norm expert_fc1 moe_act"

@@ -307,6 +307,8 @@ class ChunkOffloadHandler(HandlerBase):
         if self.finished:
             return
         self.finished = True
+        logger.debug("chunk vp=%s mb=%d finished: %d/%d groups done", self.vp_stage, self.microbatch,
+                     sum(g.done for g in self.groups), len(self.groups))
         seen: set[int] = set()
         for group in self.groups:
             for entry in group.entries:

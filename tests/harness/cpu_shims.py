@@ -9,6 +9,8 @@ Three kinds of shim:
 
 * method/function replacements (``GlobalMemoryBuffer.get_tensor``, the RNG tracker, the seeding
   helpers) whose CUDA-only bodies have a natural CPU equivalent;
+* a stub for a name megatron reads but only defines when transformer-engine imports
+  (``moe_utils.te_general_gemm``);
 * a ``torch`` stand-in (:class:`_TorchOnCpu`) bound as the global name ``torch`` inside the few
   megatron modules listed in :data:`TORCH_PROXY_MODULES`. In those modules only, factory calls
   with ``device="cuda"``/an int device allocate on CPU, ``torch.cuda.current_device()`` answers
@@ -69,7 +71,8 @@ TORCH_PROXY_MODULES: dict[str, str] = {
         " (L165-194)"
     ),
     "megatron.core.transformer.moe.moe_utils": (
-        "the MoE aux-loss logging tracker is created with torch.zeros(..., device='cuda') (L801)"
+        "the MoE metrics tracker is created with torch.zeros(..., device='cuda') (L801) by"
+        " track_moe_metrics(force_initialize=True); precautionary, run_steps does not reach it"
     ),
 }
 

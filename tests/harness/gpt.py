@@ -16,6 +16,7 @@ megatron is imported inside the functions so that a patched megatron-core copy p
 
 from __future__ import annotations
 
+import contextlib
 import re
 import socket
 import zlib
@@ -29,22 +30,6 @@ import torch
 import torch.distributed as dist
 
 from .cpu_shims import install_cpu_shims
-
-__all__ = [
-    "RunResult",
-    "build_dense_gpt",
-    "build_gpt_chunks",
-    "build_moe_gpt",
-    "find_free_port",
-    "global_param_names",
-    "init_params_by_name",
-    "init_parallel",
-    "make_config",
-    "mock_batches",
-    "named_params",
-    "run_steps",
-    "teardown_parallel",
-]
 
 DEFAULT_SEED = 1234
 DEFAULT_VOCAB_SIZE = 128
@@ -87,19 +72,10 @@ def init_parallel(
             if world_size != 1:
                 raise ValueError("multi-process init_parallel needs an explicit shared port")
             port = find_free_port()
-        store = dist.TCPStore(
-            "127.0.0.1",
-            port,
-            world_size,
-            is_master=(rank == 0),
-            timeout=timedelta(seconds=timeout_s),
-        )
+        timeout = timedelta(seconds=timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=timeout)
         dist.init_process_group(
-            "gloo",
-            store=store,
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=timeout
         )
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
@@ -201,12 +177,11 @@ def build_gpt_chunks(
     """Build this rank's GPTModel chunk(s) (one per virtual stage) with the local layer spec.
 
     Initialisation is deterministic: the CPU generator and megatron's RNG tracker are re-seeded
-    with ``seed`` before the first chunk, then chunks are built in ``vp_stage`` order. With
-    ``layout_independent_init`` (default) every >=2-D weight is then overwritten by
-    :func:`init_params_by_name` (std ``config.init_method_std``), so identical models come out
-    of any PP/VPP layout. Tied
-    embeddings default to off: with PP > 1 tying calls ``weight.data.cuda()``
-    (``models/common/language_module/language_module.py`` L233).
+    with ``seed`` before the first chunk, then chunks are built in ``vp_stage`` order (train
+    mode). With ``layout_independent_init`` (default) every >=2-D weight is then overwritten by
+    :func:`init_params_by_name` (std ``config.init_method_std``), so the same model comes out of
+    any PP/VPP layout. Tied embeddings default to off: with PP > 1 tying calls
+    ``weight.data.cuda()`` (``models/common/language_module/language_module.py`` L233).
     """
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.gpt import GPTModel
@@ -248,22 +223,21 @@ def build_dense_gpt(
     num_layers: int = 2,
     hidden_size: int = 32,
     num_attention_heads: int = 4,
-    vocab_size: int = DEFAULT_VOCAB_SIZE,
-    max_seq_len: int = DEFAULT_MAX_SEQ_LEN,
-    seed: int = DEFAULT_SEED,
     config_overrides: dict[str, Any] | None = None,
     **build_kwargs: Any,
 ) -> list[torch.nn.Module]:
-    """Tiny dense GPTModel chunk list for this rank (``get_gpt_layer_local_spec()``)."""
+    """Tiny dense GPTModel chunk list for this rank (``get_gpt_layer_local_spec()``).
+
+    ``build_kwargs`` go to :func:`build_gpt_chunks` (``vocab_size``, ``max_seq_len``, ``seed``,
+    ``position_embedding_type``, ...).
+    """
     config = make_config(
         num_layers=num_layers,
         hidden_size=hidden_size,
         num_attention_heads=num_attention_heads,
         config_overrides=config_overrides,
     )
-    return build_gpt_chunks(
-        config, vocab_size=vocab_size, max_seq_len=max_seq_len, seed=seed, **build_kwargs
-    )
+    return build_gpt_chunks(config, **build_kwargs)
 
 
 def build_moe_gpt(
@@ -273,13 +247,13 @@ def build_moe_gpt(
     num_attention_heads: int = 4,
     num_experts: int = 4,
     moe_router_topk: int = 2,
-    vocab_size: int = DEFAULT_VOCAB_SIZE,
-    max_seq_len: int = DEFAULT_MAX_SEQ_LEN,
-    seed: int = DEFAULT_SEED,
     config_overrides: dict[str, Any] | None = None,
     **build_kwargs: Any,
 ) -> list[torch.nn.Module]:
-    """Tiny MoE GPTModel chunk list (local spec, SequentialMLP experts, allgather dispatcher)."""
+    """Tiny MoE GPTModel chunk list (local spec, SequentialMLP experts, allgather dispatcher).
+
+    Every layer is an MoE layer. ``build_kwargs`` go to :func:`build_gpt_chunks`.
+    """
     config = make_config(
         num_layers=num_layers,
         hidden_size=hidden_size,
@@ -289,9 +263,7 @@ def build_moe_gpt(
         moe_router_topk=moe_router_topk,
         config_overrides=config_overrides,
     )
-    return build_gpt_chunks(
-        config, vocab_size=vocab_size, max_seq_len=max_seq_len, seed=seed, **build_kwargs
-    )
+    return build_gpt_chunks(config, **build_kwargs)
 
 
 def mock_batches(
@@ -332,7 +304,8 @@ class RunResult:
 
     ``losses[i]`` is the mean "lm loss" over step i's micro-batches (broadcast from the last
     pipeline stage, so every rank holds it). ``grads[i]`` maps parameter name to a clone of its
-    ``.grad`` after step i (``None`` if the parameter got no gradient). Names are global (see
+    ``.grad`` after step i (``None`` if the parameter got no gradient; ``grads`` stays empty for
+    forward-only runs). Names are global (see
     :func:`global_param_names`): merging the dicts of all pipeline ranks gives the whole model's
     grads, keyed like a PP=1 run of the same model.
     """
@@ -355,11 +328,7 @@ def global_param_names(chunk: torch.nn.Module) -> dict[str, str]:
     mapping = {}
     for name, _ in chunk.named_parameters():
         match = _LOCAL_LAYER.match(name)
-        if match:
-            name_global = f"decoder.layers.{offsets[int(match[1])]}.{match[2]}"
-        else:
-            name_global = name
-        mapping[name] = name_global
+        mapping[name] = f"decoder.layers.{offsets[int(match[1])]}.{match[2]}" if match else name
     return mapping
 
 
@@ -421,6 +390,8 @@ def run_steps(
     applies plain SGD ``p -= lr * p.grad`` (no optimizer object; with ``lr=None`` parameters
     never change). No DDP wrapper: ``config.no_sync_func``, ``grad_sync_func`` and
     ``finalize_model_grads_func`` stay None, so grads are plain ``.grad`` of this rank's chunks.
+    ``forward_only=True`` runs the schedule under ``torch.no_grad()`` (as Megatron-LM's evaluate
+    does) and records no grads. The chunks' train/eval mode is left as the caller set it.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -432,31 +403,31 @@ def run_steps(
     model: Any = model_chunks if len(model_chunks) > 1 else model_chunks[0]
     params = named_params(model_chunks)
     result = RunResult()
-    for chunk in model_chunks:
-        chunk.train()
     for _ in range(n_steps):
         for _, param in params:
             param.grad = None
-        outputs = forward_backward_func(
-            forward_step_func=_forward_step,
-            data_iterator=data_iterator,
-            model=model,
-            num_microbatches=num_microbatches,
-            seq_length=seq_len,
-            micro_batch_size=micro_batch_size,
-            forward_only=forward_only,
-        )
+        with torch.no_grad() if forward_only else contextlib.nullcontext():
+            outputs = forward_backward_func(
+                forward_step_func=_forward_step,
+                data_iterator=data_iterator,
+                model=model,
+                num_microbatches=num_microbatches,
+                seq_length=seq_len,
+                micro_batch_size=micro_batch_size,
+                forward_only=forward_only,
+            )
         if outputs:
             loss = torch.stack([out["lm loss"] for out in outputs]).mean()
         else:
             loss = torch.zeros([], dtype=torch.float32)
         result.losses.append(float(_broadcast_from_last_stage(loss)))
-        result.grads.append(
-            {
-                name: None if param.grad is None else param.grad.detach().clone()
-                for name, param in params
-            }
-        )
+        if not forward_only:
+            result.grads.append(
+                {
+                    name: None if param.grad is None else param.grad.detach().clone()
+                    for name, param in params
+                }
+            )
         if lr is not None and not forward_only:
             with torch.no_grad():
                 for _, param in params:
