@@ -137,3 +137,50 @@ def test_exception_mid_forward_leaves_no_state():
     ref_loss = train_step(ref, [x])[0]
     assert torch.equal(loss, ref_loss)
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), ref.parameters()))
+
+
+def test_nothing_saved_outlives_the_step_without_the_garbage_collector(monkeypatch):
+    """Kept, skipped and offloaded tensors are all freed by reference counting when the step ends
+    (a reference cycle here leaked ~300 MiB per microbatch on the GPU host until gc ran)."""
+    import gc
+    import weakref
+
+    from mcore_offload.runtime.handler import ChunkOffloadHandler
+
+    seen = []
+    push = ChunkOffloadHandler.tensor_push
+
+    def recording_push(self, tensor, group=None, **kw):
+        seen.append(weakref.ref(tensor))
+        return push(self, tensor, group=group, **kw)
+
+    monkeypatch.setattr(ChunkOffloadHandler, "tensor_push", recording_push)
+    model = Toy(cfg("qkv_linear", "core_attn", "attn_proj"))
+    gc.collect()
+    gc.disable()
+    try:
+        train_step(model, [torch.randn(8, 16), torch.randn(8, 16)])
+        assert seen and get_summary().last_step.total("kept_on_device") > 0
+        alive = [r for r in seen if r() is not None]
+        assert alive == []
+    finally:
+        gc.enable()
+
+
+def test_storage_held_elsewhere_is_not_copied():
+    """A storage that a live tensor outside the group still holds frees nothing: it stays on device."""
+
+    class Keeper(Toy):
+        def layer(self, x, qkv, proj):
+            self.kept = torch.tanh(x)  # alive after the layer returns, like a tensor saved elsewhere
+            with points.offload("qkv_linear", self.config, self.kept) as h:
+                mixed = qkv(torch.sin(h))  # sin saves h (held elsewhere), qkv saves sin(h) (ours alone)
+            return x + points.commit("qkv_linear", self.config, mixed)[..., :16]
+
+    model = Keeper(cfg("qkv_linear"))
+    for _ in range(2):
+        train_step(model, [torch.randn(8, 16)])
+    last = get_summary().last_step.points["qkv_linear"]
+    # 3 layers, the last one kept on the device: two layers flushed, 8x16 float32 tensors
+    assert last["offloaded"] == 2 * 8 * 16 * 4 and last["skipped_aliased"] == 2 * 8 * 16 * 4
+    assert last["released_in_forward"] == last["offloaded"]

@@ -320,6 +320,13 @@ class ChunkOffloadHandler(HandlerBase):
                 self.manager.on_host_freed(entry)
                 entry.host = None
                 entry.device_storage = None
-        self.pending = []
+        # Drop every reference we hold: tensors kept on the device (last layer, aliased storages) must go
+        # when autograd lets go of them, not when the cyclic garbage collector gets round to this handler.
+        for group in self.groups:
+            group.refs.clear()
+            for entry in group.entries:
+                entry.storage_ref = None
+            group.entries.clear()
+        self.groups, self.pending = [], []
         self.live.clear()
         self.manager.on_handler_finished(self)
