@@ -172,6 +172,7 @@ def test_storage_held_elsewhere_is_not_copied():
 
     class Keeper(Toy):
         def layer(self, x, qkv, proj):
+            points.layer_boundary(self.config)
             self.kept = torch.tanh(x)  # alive after the layer returns, like a tensor saved elsewhere
             with points.offload("qkv_linear", self.config, self.kept) as h:
                 mixed = qkv(torch.sin(h))  # sin saves h (held elsewhere), qkv saves sin(h) (ours alone)
