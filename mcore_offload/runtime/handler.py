@@ -71,6 +71,7 @@ class SavedRef:
 class Group:
     name: str
     refs: list[SavedRef] = field(default_factory=list)
+    rejected: dict[str, int] = field(default_factory=dict)  # why saved tensors stayed, for the log
     entries: list[Entry] = field(default_factory=list)
     committed: bool = False
     kept_on_device: bool = False
@@ -133,23 +134,34 @@ class ChunkOffloadHandler(HandlerBase):
         return Group(name)
 
     # --------------------------------------------------------------------------------- pack / unpack
-    def eligible(self, t: torch.Tensor) -> bool:
-        if type(t) is not torch.Tensor or t.layout is not torch.strided or t.device != self.device:
-            return False
-        if t.numel() < self.min_numel or t.is_conj() or t.is_neg():
-            return False
-        if t.requires_grad and t.is_leaf:  # a parameter
-            return False
+    def ineligible_reason(self, t: torch.Tensor) -> str | None:
+        """Why ``t`` stays on the device (None: it may be offloaded)."""
+        if type(t) is not torch.Tensor or t.layout is not torch.strided:
+            return "tensor subclass or layout"
+        if t.device != self.device:
+            return "other device"
+        if t.numel() < self.min_numel:
+            return "under min_offloaded_tensor_size"
+        if t.is_conj() or t.is_neg():
+            return "lazy conj/neg view"
+        if t.requires_grad and t.is_leaf:
+            return "parameter"
         base = t._base
-        if base is not None and base.requires_grad and base.is_leaf:  # a view of a parameter
-            return False
+        if base is not None and base.requires_grad and base.is_leaf:
+            return "view of a parameter"
         if getattr(t, "offloading_activation", True) is False:  # upstream's "do not offload" mark
-            return False
-        return t.untyped_storage().data_ptr() not in self.not_offloadable
+            return "marked not offloadable"
+        if t.untyped_storage().data_ptr() in self.not_offloadable:
+            return "parameter or main_grad storage"
+        return None
 
     def tensor_push(self, tensor: torch.Tensor, group: Group | None = None, **kwargs: Any) -> Any:
         """Pack hook: keep ineligible tensors as they are, wrap eligible ones for the group."""
-        if group is None or self.finished or not self.eligible(tensor):
+        if group is None or self.finished:
+            return tensor
+        reason = self.ineligible_reason(tensor)
+        if reason is not None:
+            group.rejected[reason] = group.rejected.get(reason, 0) + 1
             return tensor
         ref = SavedRef(tensor, group)
         group.refs.append(ref)

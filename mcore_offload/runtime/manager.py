@@ -95,10 +95,12 @@ class OffloadManager:
     def group_closed(self, group: Group) -> None:
         if not group.refs and group.name not in self._announced:
             self._announced.add(group.name)
+            why = ", ".join(f"{n} {r}" for r, n in sorted(group.rejected.items())) or "none saved"
             logger.info(
-                "offload point %s saved no tensor to offload here (with the TransformerEngine spec the "
-                "norm is fused into the following linear); nothing to do for it",
+                "offload point %s saved no tensor that can be offloaded here (%s); with the "
+                "TransformerEngine spec attn_norm/mlp_norm are fused into the next linear",
                 group.name,
+                why,
             )
 
     # ------------------------------------------------------------------------------ backward side
