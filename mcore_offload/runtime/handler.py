@@ -136,11 +136,15 @@ class ChunkOffloadHandler(HandlerBase):
     # --------------------------------------------------------------------------------- pack / unpack
     def ineligible_reason(self, t: torch.Tensor) -> str | None:
         """Why ``t`` stays on the device (None: it may be offloaded)."""
+        if isinstance(t, torch.nn.Parameter):
+            return "parameter"
         if type(t) is not torch.Tensor or t.layout is not torch.strided:
             return "tensor subclass or layout"
         if t.device != self.device:
             return "other device"
-        if t.numel() < self.min_numel:
+        # The threshold applies to the storage: grouped GEMMs save one small view per expert of a
+        # single large buffer, and it is the buffer that moves.
+        if t.untyped_storage().nbytes() < self.min_numel * t.element_size():
             return "under min_offloaded_tensor_size"
         if t.is_conj() or t.is_neg():
             return "lazy conj/neg view"
