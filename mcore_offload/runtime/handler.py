@@ -22,6 +22,7 @@ kernel sees the very layout it saw in forward and results are bitwise identical.
 from __future__ import annotations
 
 import logging
+import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -93,7 +94,18 @@ def _held_elsewhere(storage: torch.UntypedStorage, refs: list[SavedRef]) -> bool
     # A view keeps its base alive, so the base counts as ours too (``_base`` is always the root).
     bases = {id(t._base) for t in tensors.values() if t._base is not None} - tensors.keys()
     ours = len(tensors) + len(bases) + 1  # + the storage object we hold
-    return _storage_use_count(storage._cdata) > ours
+    if _storage_use_count(storage._cdata) > ours:
+        return True
+    # The very tensor object we saved may be held elsewhere too (a cached attention mask saved by
+    # every layer): Python references beyond our SavedRefs, the dict above and the loop variable.
+    uses = {k: 0 for k in tensors}
+    for r in refs:
+        uses[id(r.tensor)] += 1
+    for k in tensors:
+        t = tensors[k]
+        if sys.getrefcount(t) - 3 > uses[k]:  # 3 = the dict value, ``t`` and getrefcount's argument
+            return True
+    return False
 
 
 class ChunkOffloadHandler(HandlerBase):
