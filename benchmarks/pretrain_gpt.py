@@ -207,9 +207,9 @@ def main(argv=None) -> int:
         torch.use_deterministic_algorithms(True, warn_only=True)
     device = init_distributed(args)
     rank, world = dist.get_rank(), dist.get_world_size()
+    import megatron.core as mc
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
-    import megatron.core as mc
 
     if args.fine_grained_activation_offloading and mc.__version__.startswith("0.15"):
         import mcore_offload

@@ -1,0 +1,33 @@
+# Fresh-machine entry points. `make test` is what CI runs (.ci/run); `make demo` is the main job.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install -q --disable-pip-version-check
+
+.PHONY: env test demo lint clean
+
+env: $(VENV)/.ready
+
+# torch is pinned to the CPU build first: a bare `torch` requirement would pull several GB of CUDA wheels.
+$(VENV)/.ready: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) "torch==2.13.0"
+	$(PIP) "megatron-core==0.15.3" "pytest>=7" numpy ruff setuptools
+	$(PIP) --no-deps --no-build-isolation -e .
+	$(VENV)/bin/mcore-offload patch apply
+	touch $@
+
+lint: env
+	$(VENV)/bin/ruff check mcore_offload tests benchmarks
+
+test: env lint
+	$(PY) -m pytest -q -p no:cacheprovider
+
+demo: env
+	$(VENV)/bin/torchrun --nproc-per-node 1 benchmarks/cpu_launch.py --transformer-impl local \
+	  --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --vocab-size 256 \
+	  --micro-batch-size 2 --num-microbatches 2 --train-iters 3 \
+	  --fine-grained-activation-offloading --offload-modules qkv_linear core_attn attn_proj \
+	  --min-offloaded-tensor-size 1024
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,20 @@
+"""Run ``pretrain_gpt.py`` on a machine without a GPU (gloo, local spec), for the demo and CI smoke runs.
+
+    torchrun --nproc-per-node 1 benchmarks/cpu_launch.py --transformer-impl local ...
+
+megatron-core 0.15.3 calls CUDA in a few places even on CPU; the test harness's shims
+(``tests/harness/cpu_shims.py``) replace exactly those calls. They are test-only code, never used on a GPU.
+"""
+
+import runpy
+import sys
+from pathlib import Path
+
+root = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(root))
+
+from tests.harness.cpu_shims import install_cpu_shims  # noqa: E402
+
+install_cpu_shims()
+sys.argv = [str(root / "benchmarks" / "pretrain_gpt.py"), *sys.argv[1:]]
+runpy.run_path(sys.argv[0], run_name="__main__")
