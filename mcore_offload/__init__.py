@@ -6,6 +6,7 @@ megatron-core patched with ``mcore-offload patch apply``; the patched code calls
 
 from mcore_offload.config import OFFLOAD_MODULES, validate_offload_config
 from mcore_offload.patching.sites import NotPatchedError, ensure_patched
+from mcore_offload.summary import gather_summaries, get_summary
 
 __version__ = "0.1.0"
 
@@ -13,6 +14,8 @@ __all__ = [
     "OFFLOAD_MODULES",
     "NotPatchedError",
     "ensure_patched",
+    "gather_summaries",
+    "get_summary",
     "validate_offload_config",
     "__version__",
 ]
