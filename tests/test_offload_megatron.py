@@ -158,3 +158,14 @@ def test_interleaved_pp2_vpp2_bitwise_equal():
         assert r["schedule"] == "forward_backward_pipelining_with_interleaving"
         assert_bitwise(r["base"], r["offload"])
         assert r["offloaded"] > 0 and r["released"] == r["offloaded"] == r["reloaded"]
+
+
+def test_number_of_microbatches_may_change_between_steps():
+    chunks = build_dense_gpt(num_layers=LAYERS, config_overrides=offload(*DENSE_POINTS))
+    ref = build_dense_gpt(num_layers=LAYERS)
+    for n in (2, 3, 1, 4):
+        kw = dict(n_steps=1, num_microbatches=n, seq_len=16, micro_batch_size=2, lr=0.1, data_seed=n)
+        assert_bitwise(run_steps(chunks, **kw), run_steps(ref, **kw))
+        last = get_summary().last_step
+        assert last.total("reloaded") == last.total("offloaded") > 0
+        assert not get_manager().handlers
