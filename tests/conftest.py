@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,8 +33,12 @@ def megatron_copy(pristine_megatron, tmp_path) -> tooling.MegatronInstall:
 
 @pytest.fixture(autouse=True)
 def _reset_offload_state():
-    """No offload state leaks between tests."""
+    """No offload state leaks between tests (ours, and megatron's global MoE aux-loss tracker, which is
+    sized by the first MoE model a process builds)."""
     yield
     from mcore_offload.runtime.manager import reset
 
     reset()
+    moe_utils = sys.modules.get("megatron.core.transformer.moe.moe_utils")
+    if moe_utils is not None:
+        moe_utils.get_moe_layer_wise_logging_tracker().clear()
