@@ -22,16 +22,8 @@ timeout 240 torchrun --nproc-per-node 1 --master-port 29499 benchmarks/pretrain_
   > "$out/smoke.log" 2>&1 || { echo "SMOKE FAILED"; grep -v -i warn "$out/smoke.log" | tail -60; exit 1; }
 grep -A12 "mcore-offload summary" "$out/smoke.log" | head -14
 }
-launch() {  # name model-args variant offload-modules...
-  local name=$1 margs=$2 variant=$3; shift 3
-  local flags=""; [ $# -gt 0 ] && flags="--fine-grained-activation-offloading --offload-modules $*"
-  timeout 400 torchrun --nproc-per-node 1 --master-port $PORT benchmarks/pretrain_gpt.py $margs $common \
-    $flags --label "$name $variant" --json-out "$out/${name}__${variant}.json" > "$out/${name}__${variant}.log" 2>&1 \
-    || echo "RUN FAILED: $name $variant (see log)"
-}
-batch() {  # run the jobs concurrently (peak memory is per process; losses do not depend on it)
-  for job in "$@"; do port=$((port + 1)); (PORT=$port; eval "launch $job") & done; wait
-}
+nproc=1
+source benchmarks/gpu/lib.sh
 batch "dense '$dense' baseline" "moe '$moe' baseline" \
       "dense '$dense' all attn_norm qkv_linear core_attn attn_proj mlp_norm" \
       "moe '$moe' all attn_norm qkv_linear core_attn attn_proj mlp_norm expert_fc1 moe_act"

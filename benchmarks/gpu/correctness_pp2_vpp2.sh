@@ -10,14 +10,8 @@ dense="--num-layers 16 --hidden-size 2048 --num-attention-heads 16 --ffn-hidden-
 moe="--num-layers 8 --hidden-size 2048 --num-attention-heads 16 --ffn-hidden-size 8192 --num-experts 16 --moe-router-topk 4 --moe-ffn-hidden-size 1024"
 common="--deterministic --pipeline-model-parallel-size 2 --virtual-pipeline-model-parallel-size 2 --seq-length 4096 --micro-batch-size 1 --num-microbatches 8 --bf16 --transformer-impl transformer_engine --train-iters $iters"
 port=29700
-launch() {  # name model-args variant offload-modules...
-  local name=$1 margs=$2 variant=$3; shift 3
-  local flags=""; [ $# -gt 0 ] && flags="--fine-grained-activation-offloading --offload-modules $*"
-  timeout 420 torchrun --nproc-per-node 2 --master-port $PORT benchmarks/pretrain_gpt.py $margs $common \
-    $flags --label "$name $variant" --json-out "$out/${name}__${variant}.json" > "$out/${name}__${variant}.log" 2>&1 \
-    || echo "RUN FAILED: $name $variant (see log)"
-}
-batch() { for job in "$@"; do port=$((port + 1)); (PORT=$port; eval "launch $job") & done; wait; }
+nproc=2
+source benchmarks/gpu/lib.sh
 batch "dense '$dense' baseline" "dense '$dense' core_attn core_attn" \
       "dense '$dense' attn3 qkv_linear core_attn attn_proj"
 batch "dense '$dense' all attn_norm qkv_linear core_attn attn_proj mlp_norm" "moe '$moe' baseline" \
