@@ -162,11 +162,10 @@ class ChunkOffloadHandler(HandlerBase):
             return "lazy conj/neg view"
         if t.requires_grad and t.is_leaf:
             return "parameter"
-        base = t._base
-        if base is not None and base.requires_grad and base.is_leaf:
-            return "view of a parameter"
         if getattr(t, "offloading_activation", True) is False:  # upstream's "do not offload" mark
             return "marked not offloadable"
+        # Views of parameters are recognised by their storage: inside a custom autograd Function a view
+        # of an activation can report a leaf ``_base`` (TE's grouped GEMM splits did), so ``_base`` is no test.
         if t.untyped_storage().data_ptr() in self.not_offloadable:
             return "parameter or main_grad storage"
         return None
