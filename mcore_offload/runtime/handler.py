@@ -92,7 +92,9 @@ def _held_elsewhere(storage: torch.UntypedStorage, refs: list[SavedRef]) -> bool
         return False
     tensors = {id(r.tensor): r.tensor for r in refs}
     # A view keeps its base alive, so the base counts as ours too (``_base`` is always the root).
-    bases = {id(t._base) for t in tensors.values() if t._base is not None} - tensors.keys()
+    bases = {id(t._base): t._base for t in tensors.values() if t._base is not None}
+    for k in tensors:
+        bases.pop(k, None)
     ours = len(tensors) + len(bases) + 1  # + the storage object we hold
     if _storage_use_count(storage._cdata) > ours:
         return True
@@ -104,6 +106,12 @@ def _held_elsewhere(storage: torch.UntypedStorage, refs: list[SavedRef]) -> bool
     for k in tensors:
         t = tensors[k]
         if sys.getrefcount(t) - 3 > uses[k]:  # 3 = the dict value, ``t`` and getrefcount's argument
+            return True
+    for k in bases:
+        b = bases[k]
+        # 4 = the dict value, ``b``, the argument, and the reference the views' C++ side keeps; more means
+        # Python code still holds the base (a received pipeline activation in the schedule's list).
+        if sys.getrefcount(b) > 4:
             return True
     return False
 
