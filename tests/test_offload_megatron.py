@@ -147,7 +147,6 @@ def interleaved_job(rank: int, world_size: int, points: list[str]) -> dict[str, 
     out["offloaded"] = last.total("offloaded")
     out["released"] = last.total("released_in_forward")
     out["reloaded"] = last.total("reloaded")
-    out["vp_stages"] = sorted({h for h in getattr(get_manager(), "_microbatches", {})}, key=str)
     return out
 
 

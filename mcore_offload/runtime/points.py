@@ -86,17 +86,13 @@ def commit(name: str | None, config: Any, value: Any) -> Any:
     group = manager.open_groups.pop((id(handler), name), None)
     if group is None:
         return value
-    if isinstance(value, (tuple, list)):
-        first = value[0]
-        if isinstance(first, torch.Tensor) and first.requires_grad:
-            first = GroupCommit.apply(first, handler, group)
-        else:
-            handler.on_group_commit_forward(group)
-        return type(value)((first, *value[1:]))
-    if isinstance(value, torch.Tensor) and value.requires_grad:
-        return GroupCommit.apply(value, handler, group)
-    handler.on_group_commit_forward(group)
-    return value
+    is_sequence = isinstance(value, (tuple, list))
+    tensor = value[0] if is_sequence else value
+    if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+        tensor = GroupCommit.apply(tensor, handler, group)
+    else:  # nothing for backward to hook: the group is still queued for offload
+        handler.on_group_commit_forward(group)
+    return type(value)((tensor, *value[1:])) if is_sequence else tensor
 
 
 def begin_chunk(config: Any, vp_stage: int | None, model: torch.nn.Module) -> None:
