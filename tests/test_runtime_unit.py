@@ -186,3 +186,53 @@ def test_storage_held_elsewhere_is_not_copied():
     # saves its input only where it needs a grad (layer 2: the input of layer 1 needs none)
     assert last["offloaded"] == 2 * 8 * 16 * 4 and last["skipped_aliased"] == 8 * 16 * 4
     assert last["released_in_forward"] == last["offloaded"]
+
+
+class _GroupedGemm(torch.autograd.Function):
+    """Saves what TE 2.9's ``_GroupedLinear`` saves without FP8: one split view of the input per expert
+    (such views report requires_grad and is_leaf once saved), the weights and empty biases."""
+
+    @staticmethod
+    def forward(ctx, inp, splits, *weights):
+        mats = torch.split(inp.reshape(-1, inp.shape[-1]), splits)
+        ctx.save_for_backward(*mats, *weights)
+        ctx.n = len(splits)
+        return torch.cat([m @ w.t() for m, w in zip(mats, weights)])
+
+    @staticmethod
+    def backward(ctx, grad):
+        saved = ctx.saved_tensors
+        mats, weights = saved[: ctx.n], saved[ctx.n :]
+        grads = torch.split(grad, [m.shape[0] for m in mats])
+        dinp = torch.cat([g @ w for g, w in zip(grads, weights)])
+        return (dinp, None, *[g.t() @ m for g, m in zip(grads, mats)])
+
+
+def test_grouped_gemm_split_views_are_offloaded():
+    """The per-expert views share the permuted tokens' storage: that storage moves, once, and the result
+    is bitwise the no-offload one (on the GPU this point offloaded nothing before)."""
+
+    class Experts(Toy):
+        def __init__(self, config):
+            super().__init__(config)
+            self.w = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(16, 16)) for _ in range(4))
+
+        def layer(self, x, qkv, proj):
+            points.layer_boundary(self.config)
+            tokens = torch.tanh(x).repeat(2, 1)  # the permuted tokens: a fresh storage, top-2
+            with points.offload("expert_fc1", self.config, tokens) as h:
+                out = _GroupedGemm.apply(h, [4, 4, 2, 6], *self.w)
+            out = points.commit("expert_fc1", self.config, out)
+            return x + out[:8] + out[8:]
+
+    def once(names):
+        model = Experts(cfg(*names))
+        loss = train_step(model, [torch.randn(8, 16, generator=torch.Generator().manual_seed(5))])[0]
+        return loss, [p.grad for p in model.parameters() if p.grad is not None]
+
+    base_loss, base_grads = once([])
+    loss, grads = once(["expert_fc1"])
+    assert torch.equal(loss, base_loss) and all(torch.equal(a, b) for a, b in zip(grads, base_grads))
+    last = get_summary().last_step.points["expert_fc1"]
+    assert last["offloaded"] == 2 * 16 * 16 * 4  # two flushed layers x one 16x16 float32 token storage
+    assert last["released_in_forward"] == last["offloaded"] == last["reloaded"]

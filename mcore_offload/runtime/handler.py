@@ -168,7 +168,9 @@ class ChunkOffloadHandler(HandlerBase):
             return "under min_offloaded_tensor_size"
         if t.is_conj() or t.is_neg():
             return "lazy conj/neg view"
-        if t.requires_grad and t.is_leaf:
+        # Only a tensor without a base is a true leaf: a view saved by ``ctx.save_for_backward`` inside a
+        # custom Function (TE's grouped GEMM saves one split per expert) reports requires_grad and is_leaf.
+        if t.requires_grad and t.is_leaf and t._base is None:
             return "parameter"
         if getattr(t, "offloading_activation", True) is False:  # upstream's "do not offload" mark
             return "marked not offloadable"
