@@ -236,3 +236,27 @@ def test_grouped_gemm_split_views_are_offloaded():
     last = get_summary().last_step.points["expert_fc1"]
     assert last["offloaded"] == 2 * 16 * 16 * 4  # two flushed layers x one 16x16 float32 token storage
     assert last["released_in_forward"] == last["offloaded"] == last["reloaded"]
+
+
+def test_a_saved_tensor_and_a_saved_view_of_it_move_together():
+    """core_attn saves attention's output, attn_proj saves a reshape of it: one storage, ours alone."""
+
+    class Shared(Toy):
+        def layer(self, x, qkv, proj):
+            points.layer_boundary(self.config)
+            with points.offload("core_attn", self.config, x) as h:
+                out = torch.exp(qkv(h)[..., :16])  # exp saves its output
+            out = points.commit("core_attn", self.config, out)
+            with points.offload("attn_proj", self.config, out) as o:
+                y = proj(o.view(-1, 16))  # the linear saves a view of that output
+            return x + points.commit("attn_proj", self.config, y)
+
+    model = Shared(cfg("core_attn", "attn_proj"))
+    train_step(model, [torch.randn(8, 16)])
+    last = get_summary().last_step
+    # Two flushed layers. exp's output storage (8x16 float32) moves in both; the layer input saved by the
+    # qkv linear moves in layer 2 only: layer 1's input is still held by the caller (skipped, rightly).
+    tile = 8 * 16 * 4
+    assert last.points["core_attn"]["offloaded"] == 3 * tile
+    assert last.total("skipped_aliased") == tile
+    assert last.total("released_in_forward") == last.total("offloaded") == last.total("reloaded")

@@ -103,6 +103,10 @@ def _held_elsewhere(storage: torch.UntypedStorage, refs: list[SavedRef]) -> bool
     uses = {k: 0 for k in tensors}
     for r in refs:
         uses[id(r.tensor)] += 1
+    # A saved tensor that is the base of another saved view (attention's output saved by core_attn, its
+    # reshape saved by attn_proj) has one more: the Python object the view's C++ side keeps alive.
+    for k in {id(t._base) for t in tensors.values() if t._base is not None} & uses.keys():
+        uses[k] += 1
     for k in tensors:
         t = tensors[k]
         if sys.getrefcount(t) - 3 > uses[k]:  # 3 = the dict value, ``t`` and getrefcount's argument
