@@ -11,7 +11,7 @@ env: $(VENV)/.ready
 $(VENV)/.ready: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) "torch==2.13.0"
-	$(PIP) "megatron-core==0.15.3" "pytest>=7" numpy ruff setuptools
+	$(PIP) "megatron-core==0.15.3" "pytest>=7" numpy ruff setuptools matplotlib
 	$(PIP) --no-deps --no-build-isolation -e .
 	$(VENV)/bin/mcore-offload patch apply
 	touch $@

@@ -59,6 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--offload-modules", nargs="*", default=[])
     a("--min-offloaded-tensor-size", type=int, default=1024 * 1024)
     a("--train-iters", type=int, default=10)
+    a("--warmup-steps", type=int, default=2, help="steps left out of the step-time median")
     a("--log-interval", type=int, default=1)
     a("--lr", type=float, default=1e-4)
     a("--seed", type=int, default=1234)
@@ -179,6 +180,49 @@ def loss_func(loss_mask, output_tensor):
     return loss, {"lm loss": loss.detach()}
 
 
+def peak_reader(device: torch.device):
+    """The allocator's peak-allocated statistic, read without building the flattened stats dict."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        torch._C._cuda_memoryStats(idx)["allocated_bytes"]["all"]["peak"]
+        return lambda: torch._C._cuda_memoryStats(idx)["allocated_bytes"]["all"]["peak"]
+    except (AttributeError, KeyError, TypeError):
+        return lambda: torch.cuda.max_memory_allocated(idx)
+
+
+def native_accounting() -> dict:
+    """Upstream 0.16's own count of offloaded bytes (collected after its warm-up step)."""
+    try:
+        from megatron.core.pipeline_parallel.fine_grained_activation_offload import PipelineOffloadManager
+
+        mgr = PipelineOffloadManager.get_instance()
+        return {"host_bytes_at_peak": int(mgr.offload_summary_total_bytes),
+                "native_offload_bytes_by_point": dict(mgr.offload_summary_bytes),
+                "host_bytes_source": "native: PipelineOffloadManager.offload_summary_total_bytes (its own accounting)"}
+    except (ImportError, AttributeError) as e:
+        return {"host_bytes_at_peak": None, "host_bytes_source": f"native accounting unavailable: {e}"}
+
+
+def versions() -> dict:
+    import megatron.core as mc
+
+    out = {"torch": torch.__version__, "megatron_core": mc.__version__, "python": sys.version.split()[0],
+           "cuda": torch.version.cuda}
+    try:
+        import transformer_engine
+
+        out["transformer_engine"] = transformer_engine.__version__
+    except ImportError:
+        out["transformer_engine"] = None
+    try:
+        import mcore_offload
+
+        out["mcore_offload"] = getattr(mcore_offload, "__version__", "unknown")
+    except ImportError:
+        pass
+    return out
+
+
 TIMELINE: list[tuple[str, int]] | None = None
 
 
@@ -225,11 +269,18 @@ def main(argv=None) -> int:
         TIMELINE = []
         logging.getLogger("mcore_offload").setLevel(logging.DEBUG)
     cuda = device.type == "cuda"
+    ours = args.fine_grained_activation_offloading and mc.__version__.startswith("0.15")
     losses, step_ms = [], []
+    peak_step1, at_peak = None, None
     for step in range(args.train_iters):
         if cuda and step == 1:
+            # Step 0 allocates the optimizer-free model's gradients and autotunes; peaks are read from step 1.
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+            if ours:
+                from mcore_offload.summary import get_summary
+
+                get_summary().track_peak(peak_reader(device))
         data = batches(args, step, device)
         iters = [iter(data) for _ in chunks] if len(chunks) > 1 else iter(data)
         opt.zero_grad(set_to_none=True)
@@ -243,6 +294,11 @@ def main(argv=None) -> int:
         if cuda:
             torch.cuda.synchronize()
         step_ms.append((time.perf_counter() - t0) * 1e3)
+        if cuda and step == 1:
+            peak_step1 = torch.cuda.max_memory_allocated()
+            if ours:
+                get_summary().stop_tracking_peak()
+                at_peak = get_summary().off_device_at_peak_bytes
         if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
             loss = torch.stack([o["lm loss"] for o in out]).mean().item() if out else float("nan")
         else:
@@ -253,20 +309,27 @@ def main(argv=None) -> int:
             logger.info("rank %d step %d/%d loss %s step %.1f ms peak %.2f GiB", rank, step + 1,
                         args.train_iters, "-" if loss is None else f"{loss:.6f}", step_ms[-1],
                         torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0)
+    timed = step_ms[args.warmup_steps:] or step_ms
     row = {
         "rank": rank, "label": args.label, "impl_version": mc.__version__,
         "losses": losses, "loss_hex": [None if x is None else float(x).hex() for x in losses],
-        "step_ms": step_ms, "step_ms_median": statistics.median(step_ms[2:] if len(step_ms) > 4 else step_ms),
+        "step_ms": step_ms, "step_ms_median": statistics.median(timed), "timed_steps": len(timed),
         "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+        "peak_bytes_step1": peak_step1,
+        "versions": versions(),
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "memory_timeline_MiB": [(w, round(b / 2**20, 1)) for w, b in TIMELINE or []],
         "offload_modules": args.offload_modules if args.fine_grained_activation_offloading else [],
     }
-    if args.fine_grained_activation_offloading and mc.__version__.startswith("0.15"):
+    if ours:
         from mcore_offload.summary import get_summary
 
         row["offload"] = get_summary().as_dict()
+        row["host_bytes_at_peak"] = at_peak
+        row["host_bytes_source"] = "ours: offloaded bytes off the device when the step-1 peak was reached"
         logger.info("rank %d\n%s", rank, get_summary().table(rank))
+    elif args.fine_grained_activation_offloading:
+        row.update(native_accounting())
     rows = [None] * world
     dist.all_gather_object(rows, row)
     if rank == 0 and args.json_out:

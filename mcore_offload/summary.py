@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +47,12 @@ class OffloadSummary:
     steps: list[StepRecord] = field(default_factory=list)
     host_resident_bytes: int = 0
     host_resident_peak_bytes: int = 0
+    # Offloaded bytes with no device copy (released, not yet reloaded): what offloading takes off the peak.
+    off_device_bytes: int = 0
+    off_device_at_peak_bytes: int = 0  # their value when the device peak was reached (see track_peak)
     _current: dict[str, dict[str, int]] = field(default_factory=_new_points)
+    _peak_reader: Callable[[], int] | None = None
+    _last_peak: int = 0
 
     def add(self, point: str, counter: str, nbytes: int) -> None:
         self._current[point][counter] += nbytes
@@ -54,6 +60,31 @@ class OffloadSummary:
     def host_resident(self, delta: int) -> None:
         self.host_resident_bytes += delta
         self.host_resident_peak_bytes = max(self.host_resident_peak_bytes, self.host_resident_bytes)
+
+    def off_device(self, delta: int) -> None:
+        self._probe_peak()
+        self.off_device_bytes += delta
+
+    def track_peak(self, read_peak: Callable[[], int]) -> None:
+        """Attribute the device peak: call right after resetting the allocator's peak statistic.
+
+        ``off_device_bytes`` only changes at our own release / reload events, so reading the peak at each
+        event tells exactly in which interval it rose, and the value it had there. It costs one allocator
+        statistics read per event, which is why it is off unless asked for (the benchmark's step 1).
+        """
+        self._peak_reader = read_peak
+        self._last_peak = read_peak()
+        self.off_device_at_peak_bytes = self.off_device_bytes
+
+    def stop_tracking_peak(self) -> None:
+        self._probe_peak()
+        self._peak_reader = None
+
+    def _probe_peak(self) -> None:
+        if self._peak_reader is not None:
+            peak = self._peak_reader()
+            if peak > self._last_peak:
+                self._last_peak, self.off_device_at_peak_bytes = peak, self.off_device_bytes
 
     def step_has_activity(self) -> bool:
         return bool(self._current)
@@ -76,6 +107,8 @@ class OffloadSummary:
             "last_step": last.points if last else {},
             "host_resident_peak_bytes": self.host_resident_peak_bytes,
             "host_resident_bytes": self.host_resident_bytes,
+            "off_device_bytes": self.off_device_bytes,
+            "off_device_at_peak_bytes": self.off_device_at_peak_bytes,
             "host_buffer_allocations": sum(t.pool.allocations for t in _TRANSPORTS.values()),
             "host_buffer_bytes": sum(t.pool.allocated_bytes for t in _TRANSPORTS.values()),
         }

@@ -260,3 +260,24 @@ def test_a_saved_tensor_and_a_saved_view_of_it_move_together():
     assert last.points["core_attn"]["offloaded"] == 3 * tile
     assert last.total("skipped_aliased") == tile
     assert last.total("released_in_forward") == last.total("offloaded") == last.total("reloaded")
+
+
+def test_peak_attribution_reports_the_bytes_off_the_device_when_the_peak_rose():
+    """The benchmark's R: off-device bytes at the moment of the device peak, not their high-water mark."""
+    fake_peak = {"bytes": 0}
+
+    class PeakAtLoss(Toy):
+        def forward(self, x):
+            loss = super().forward(x)
+            fake_peak["bytes"] += 1  # the device peak rises here: after the last layer, before backward
+            return loss
+
+    model = PeakAtLoss(cfg("qkv_linear", "core_attn"))
+    summary = get_summary()
+    summary.track_peak(lambda: fake_peak["bytes"])
+    train_step(model, [torch.randn(8, 16)])
+    summary.stop_tracking_peak()
+    last = summary.last_step
+    # one microbatch: everything released in forward is off the device when the loss is computed
+    assert summary.off_device_at_peak_bytes == last.total("released_in_forward") > 0
+    assert summary.off_device_bytes == 0  # all reloaded by the end of backward

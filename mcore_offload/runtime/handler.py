@@ -55,6 +55,7 @@ class Entry:
     compute_waited: bool = False
     users: int = 0  # groups whose backward has not finished yet
     storage_ref: Any = None  # weakref to the original device storage
+    off_device: bool = False  # the original storage is freed and no reloaded copy exists yet
 
 
 class SavedRef:

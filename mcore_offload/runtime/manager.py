@@ -137,12 +137,22 @@ class OffloadManager:
     def on_released(self, entry: Entry, during_forward: bool) -> None:
         self.summary.add(entry.point, "released_in_forward" if during_forward else "released_late",
                          entry.nbytes)
+        if entry.host is not None and entry.device_storage is None:
+            entry.off_device = True
+            self.summary.off_device(+entry.nbytes)
 
     def on_reloaded(self, entry: Entry) -> None:
         self.summary.add(entry.point, "reloaded", entry.nbytes)
+        self._back_on_device(entry)
 
     def on_host_freed(self, entry: Entry) -> None:
         self.summary.host_resident(-entry.nbytes)
+        self._back_on_device(entry)  # an aborted step never reloads: the bytes are simply gone
+
+    def _back_on_device(self, entry: Entry) -> None:
+        if entry.off_device:
+            entry.off_device = False
+            self.summary.off_device(-entry.nbytes)
 
     def on_skipped(self, point: str, nbytes: int) -> None:
         self.summary.add(point, "skipped_aliased", nbytes)

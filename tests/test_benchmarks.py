@@ -1,0 +1,73 @@
+"""The benchmark scripts: a tiny CPU run end to end (gloo, local spec), and the report arithmetic."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import peak_memory  # noqa: E402
+
+
+@pytest.mark.multiproc
+def test_peak_memory_smoke_on_cpu(tmp_path):
+    """baseline + ours on the tiny dense model: every run finishes, losses equal, bytes offloaded."""
+    out = tmp_path / "pm"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "peak_memory.py"), "--config", "tiny-dense",
+                           "--impls", "baseline", "ours", "--train-iters", "3", "--warmup-steps", "1",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert [(r["impl"], r["offload_modules"]) for r in rows] == [
+        ("baseline", []), ("ours", ["core_attn"]), ("ours", ["qkv_linear", "core_attn", "attn_proj"])]
+    assert all(r["loss_equal"] for r in rows)
+    assert all(r["timed_steps"] == 2 and r["step_ms_median"] > 0 for r in rows)
+    assert set(rows[1]["offloaded_bytes_by_point"]) == {"core_attn"} and rows[1]["offloaded_bytes_by_point"][
+        "core_attn"] > 0
+    assert rows[2]["offloaded_bytes_by_point"]["qkv_linear"] > 0
+    assert "| tiny-dense | ours |" in (out / "results.md").read_text()
+
+
+def _result(peaks, step_ms, losses, host=None):
+    return {"ranks": [{"rank": i, "peak_bytes": p, "step_ms_median": step_ms, "timed_steps": 8,
+                       "loss_hex": losses if i == len(peaks) - 1 else [None] * len(losses),
+                       "host_bytes_at_peak": host, "versions": {"megatron_core": "0.15.3"}}
+                      for i, p in enumerate(peaks)]}
+
+
+def test_rows_compare_each_run_with_its_own_trees_baseline(tmp_path):
+    base = peak_memory.Run("A", "baseline", "/mc15")
+    base.result = _result([1000, 800], 100.0, ["0x1p+0", "0x1p-1"])
+    ours = peak_memory.Run("A", "ours", "/mc15", ["core_attn"])
+    ours.result = _result([900, 750], 103.0, ["0x1p+0", "0x1p-1"], host=100)
+    other = peak_memory.Run("A", "baseline", "/mc16")  # another tree: never the reference of ours
+    other.result = _result([5000, 5000], 50.0, ["0x1p+1", "0x1p-1"])
+    native = peak_memory.Run("A", "native", "/mc16", ["core_attn"])
+    native.result = _result([4900, 4950], 60.0, ["0x1p+1", "0x1p-2"], host=200)
+    rows = peak_memory.rows_for([base, ours, other, native], {"gpu": "test"})
+    r0, r1 = rows[2], rows[3]
+    assert (r0["delta_peak_bytes"], r0["R"]) == (100, 1.0)
+    assert (r1["delta_peak_bytes"], r1["R"]) == (50, 0.5)
+    assert r0["overhead_pct"] == pytest.approx(3.0) and r0["loss_equal"] is True
+    n0 = rows[6]
+    assert (n0["delta_peak_bytes"], n0["overhead_pct"], n0["loss_equal"]) == (100, pytest.approx(20.0), False)
+    table = peak_memory.markdown(rows)
+    assert "| A | ours | 0.15.3 | core_attn | 0 |" in table
+    if peak_memory.plot(rows, tmp_path / "p.png"):
+        assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_bad_arguments_get_one_sentence(capsys):
+    with pytest.raises(SystemExit):
+        peak_memory.parse_args(["--config", "A", "--impls", "native", "--out", "x"])
+    assert "needs --native-megatron" in capsys.readouterr().err
+    args = peak_memory.parse_args(["--config", "tiny-dense", "--impls", "native", "--native-megatron", "/x",
+                                   "--out", "x"])
+    with pytest.raises(SystemExit, match="cannot run; drop native"):
+        peak_memory.plan_runs(args)
