@@ -1,4 +1,5 @@
-"""``mcore-offload`` command line: ``mcore-offload patch {apply,check,revert,status} [--megatron-path DIR]``."""
+"""``mcore-offload`` command line: ``mcore-offload patch {apply,check,revert,status} [--megatron-path DIR]`` and
+``mcore-offload plan ...`` (project an offloaded run's per-rank peak memory before launching it)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from mcore_offload.patching import tooling
+from mcore_offload.plan.cli import add_plan_parser
 
 
 def _patch(args: argparse.Namespace) -> int:
@@ -38,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     patch.add_argument("--megatron-path", default=None,
                        help="directory holding megatron/core (default: the installed megatron-core)")
     patch.set_defaults(func=_patch)
+    add_plan_parser(sub)
     return parser
 
 

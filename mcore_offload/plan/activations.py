@@ -1,0 +1,249 @@
+"""Activation bytes of one transformer layer and one microbatch on one rank: what each offload point would
+move, and what the layer keeps for backward without offloading.
+
+Notation: ``T = seq_length * micro_batch_size`` tokens, ``h`` hidden, ``a`` heads, ``q = a * head_dim``,
+``kv = query_groups * head_dim``, ``t`` TP, ``d = t`` with sequence parallelism else 1, ``f`` FFN size,
+``g = 2`` for SwiGLU else 1. Sizes are elements; bytes are elements x dtype bytes unless a storage says fp32.
+
+TE spec, flash/fused attention, no dropout (per layer, per microbatch):
+
+=====================  ==================  ============================================================
+saved tensor           elements            offload point
+=====================  ==================  ============================================================
+layer input            T*h/d               none (the residual; held elsewhere, never offloaded)
+attention norm output  T*h/d               ``qkv_linear`` (LayerNormLinear keeps it for its wgrad)
+q, k, v                T*(q + 2kv)/t       ``core_attn`` (one storage, the fused QKV output)
+softmax statistics     T*a/t (fp32)        ``core_attn`` (below the default minimum size: stays)
+attention output       T*q/t               ``attn_proj`` (saved by core attention too: moves only
+                                           when ``core_attn`` is offloaded as well)
+dense: MLP input       T*h/d               none;  MLP norm output  T*h/d  none (fused into fc1)
+dense: fc1 output      T*g*f/t             none;  activation output  T*f/t  none
+MoE: MLP input,        T*h/d each          none (TENorm's input; router/dispatcher input)
+     norm output
+MoE: permuted tokens   R*h                 ``expert_fc1``,  R = T*topk/d*etp (balanced routing)
+MoE: fc1 output        R*g*f_moe/etp       ``moe_act`` (with the permuted probabilities, R fp32)
+MoE: act output        R*f_moe/etp         none (the fc2 input)
+=====================  ==================  ============================================================
+
+This is Korthikanti et al. 2022 (sbh(34 + 5as/h)) adapted: flash attention removes the s^2 terms, no
+dropout masks, fused norms, a SwiGLU MLP keeps its fc1 output (2f) and activation output (f). The local spec
+(unfused attention) adds the attention probabilities ``T*a*s/t`` to ``core_attn`` and a ``T*h/d`` estimate to
+each norm point; local-spec estimates are not validated on a GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from mcore_offload.config import OFFLOAD_MODULES
+from mcore_offload.plan.model import ModelSpec, ParallelLayout, TrainingSpec
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class Storage:
+    """One tensor storage saved for backward."""
+
+    name: str
+    elements: int
+    itemsize: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.elements * self.itemsize
+
+
+@dataclass(frozen=True)
+class PointEstimate:
+    """What offload point ``name`` would move for one layer and one microbatch."""
+
+    name: str
+    storages: tuple[Storage, ...]
+    offloaded_bytes: int
+    note: str
+    validated: bool
+
+
+@dataclass(frozen=True)
+class LayerActivations:
+    """One kind of layer (``dense`` or ``moe``): per-point estimates and the no-offload total."""
+
+    kind: str
+    points: Mapping[str, PointEstimate]
+    saved: tuple[Storage, ...]
+    notes: tuple[str, ...]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.nbytes for s in self.saved)
+
+    def offloaded_bytes(self, modules: Iterable[str]) -> int:
+        """Bytes that set ``modules`` moves off the device for this layer (points are additive)."""
+        return sum(self.points[m].offloaded_bytes for m in set(modules))
+
+
+@dataclass
+class _Builder:
+    """Collects saved storages and point contents while one layer is described."""
+
+    itemsize: int
+    min_size: int
+    saved: list[Storage]
+    points: dict[str, PointEstimate]
+    notes: list[str]
+
+    def keep(self, name: str, elements: int, itemsize: int | None = None) -> Storage:
+        storage = Storage(name, int(elements), itemsize or self.itemsize)
+        self.saved.append(storage)
+        return storage
+
+    def point(self, name: str, storages: tuple[Storage, ...], note: str, validated: bool) -> None:
+        moved = [s for s in storages if s.elements >= self.min_size]
+        small = [s.name for s in storages if s.elements < self.min_size]
+        if small and moved:
+            note += f"; {', '.join(small)} below min_offloaded_tensor_size, kept"
+        elif small:
+            note = f"{note}; below min_offloaded_tensor_size ({self.min_size} elements): nothing moves"
+        self.points[name] = PointEstimate(name, storages, sum(s.nbytes for s in moved), note, validated)
+
+    def nothing(self, name: str, note: str, validated: bool = False) -> None:
+        self.points[name] = PointEstimate(name, (), 0, note, validated)
+
+
+def layer_activations(model: ModelSpec, layout: ParallelLayout, training: TrainingSpec,
+                      moe: bool) -> LayerActivations:
+    """Describe one layer; ``moe`` selects the MoE MLP block (else the dense MLP)."""
+    b = _Builder(training.dtype_bytes, training.min_offloaded_tensor_size, [], {}, [])
+    tokens = training.seq_length * training.micro_batch_size
+    if training.full_recompute:
+        b.keep("layer input (full-recompute checkpoint)", tokens * model.hidden_size / layout.seq_shards)
+        for name in OFFLOAD_MODULES:
+            b.nothing(name, "full recompute: the layer's forward saves nothing but its input")
+        b.notes.append("full recompute (every layer, uniform, 1 layer per checkpoint): offloading moves nothing")
+        return LayerActivations("moe" if moe else "dense", dict(b.points), tuple(b.saved), tuple(b.notes))
+    _attention(b, model, layout, training, tokens)
+    if moe:
+        _moe_mlp(b, model, layout, training, tokens)
+    else:
+        _dense_mlp(b, model, layout, training, tokens)
+        b.nothing("expert_fc1", "dense layer: no experts")
+        b.nothing("moe_act", "dense layer: no experts")
+    points = {name: b.points[name] for name in OFFLOAD_MODULES}
+    return LayerActivations("moe" if moe else "dense", points, tuple(b.saved), tuple(b.notes))
+
+
+def _norm_point(b: _Builder, name: str, norm_output: Storage | None, training: TrainingSpec,
+                te_fused: bool) -> None:
+    if "layernorm" in training.recomputed:
+        b.nothing(name, "recompute layernorm: the norm output is discarded and recomputed")
+    elif te_fused:
+        b.nothing(name, "0 with the TE spec: the norm is fused into the next TE linear", validated=True)
+    elif norm_output is None:
+        b.nothing(name, "TENorm keeps only its input, the residual held elsewhere", validated=True)
+    else:
+        b.point(name, (norm_output,), "local spec estimate: one hidden-sized tensor", False)
+
+
+def _attention(b: _Builder, model: ModelSpec, layout: ParallelLayout, training: TrainingSpec, tokens: int) -> None:
+    t, d, te = layout.tp, layout.seq_shards, training.te
+    recomputed = training.recomputed
+    b.keep("layer input (residual)", tokens * model.hidden_size / d)
+    discard_norm = "layernorm" in recomputed and not te
+    norm_out = None if discard_norm else b.keep("attention norm output", tokens * model.hidden_size / d)
+    qkv = b.keep("q, k, v", tokens * (model.q_dim + 2 * model.kv_dim) / t)
+    core_extra: tuple[Storage, ...] = ()
+    if "core_attn" not in recomputed:
+        if te:
+            core_extra = (b.keep("softmax statistics (fp32)", tokens * model.num_attention_heads / t, FP32),)
+        else:
+            core_extra = (b.keep("attention probabilities",
+                                 tokens * model.num_attention_heads * training.seq_length / t),)
+    out = b.keep("attention output", tokens * model.q_dim / t)
+
+    measured = te and t == 1  # the TE-spec, TP=1 numbers match benchmarks/results/issue3-h100-pp1
+    _norm_point(b, "attn_norm", None if te else norm_out, training, te_fused=te)
+    if norm_out is None:
+        b.nothing("qkv_linear", "recompute layernorm: the linear's saved norm output is discarded")
+    else:
+        what = "LayerNormLinear's saved norm output" if te else "the QKV linear's saved input"
+        shard = " (local sequence shard)" if layout.sp else ""
+        b.point("qkv_linear", (norm_out,), what + shard, measured)
+    if "core_attn" in recomputed:
+        b.nothing("core_attn", "recompute core_attn: the checkpointed branch has no offload point; q, k, v stay "
+                               "saved by the checkpoint")
+        b.notes.append("core_attn is recomputed: offloading core_attn moves nothing")
+    else:
+        kind = "flash/fused attention" if te else "unfused attention, with the s^2 probabilities"
+        b.point("core_attn", (qkv, *core_extra), f"q, k, v ({kind})", measured)
+    note = "attention output (moves only with core_attn)"
+    if "core_attn" in recomputed:
+        note = "attention output, held only by the projection since core attention is recomputed"
+    b.point("attn_proj", (out,), note, measured and "core_attn" not in recomputed)
+
+
+def _dense_mlp(b: _Builder, model: ModelSpec, layout: ParallelLayout, training: TrainingSpec, tokens: int) -> None:
+    t, d, te = layout.tp, layout.seq_shards, training.te
+    hidden = tokens * model.hidden_size / d
+    gate = 2 if model.swiglu else 1
+    recomputed = training.recomputed
+    b.keep("MLP input (residual)", hidden)
+    norm_out = None
+    if not (te and "mlp" in recomputed) and not ("layernorm" in recomputed and not te):
+        # TE keeps the norm output inside LayerNormLinear; a recomputed MLP's checkpoint keeps it as its input.
+        norm_out = b.keep("MLP norm output", hidden)
+    if "mlp" in recomputed:
+        b.notes.append("mlp is recomputed: the dense MLP keeps only its input")
+    else:
+        b.keep("fc1 output", tokens * gate * model.ffn_hidden_size / t)
+        b.keep("activation output", tokens * model.ffn_hidden_size / t)
+    _norm_point(b, "mlp_norm", norm_out, training, te_fused=te)
+
+
+def routed_rows(model: ModelSpec, layout: ParallelLayout, training: TrainingSpec) -> int:
+    """Expected rows in a rank's permuted-token tensor: its sequence shard's tokens x top-k, received through a
+    balanced all-to-all (every EP rank gets as many rows as it sends), all-gathered over expert-TP."""
+    tokens = training.seq_length * training.micro_batch_size
+    return tokens * model.moe_router_topk * layout.etp // layout.seq_shards
+
+
+def _moe_mlp(b: _Builder, model: ModelSpec, layout: ParallelLayout, training: TrainingSpec, tokens: int) -> None:
+    t, d, etp, te = layout.tp, layout.seq_shards, layout.etp, training.te
+    recomputed = training.recomputed
+    gate = 2 if model.swiglu else 1
+    hidden = tokens * model.hidden_size / d
+    b.keep("MLP input (residual)", hidden)
+    norm_out = None
+    if "layernorm" not in recomputed:
+        norm_out = b.keep("MLP norm output (router input)", hidden)
+    _norm_point(b, "mlp_norm", None if te else norm_out, training, te_fused=False)
+    if "moe" in recomputed:
+        b.nothing("expert_fc1", "recompute moe: the MoE layer is checkpointed, nothing is saved inside")
+        b.nothing("moe_act", "recompute moe: the MoE layer is checkpointed, nothing is saved inside")
+        b.notes.append("moe is recomputed: expert_fc1 and moe_act move nothing")
+        return
+    rows = routed_rows(model, layout, training)
+    b.keep("router logits and probabilities (fp32)", 2 * tokens * model.num_experts / d, FP32)
+    permuted = b.keep("permuted tokens", rows * model.hidden_size)
+    fc1 = b.keep("expert fc1 output", rows * gate * model.moe_ffn / etp)
+    probs = b.keep("permuted probabilities (fp32)", rows, FP32)
+    b.point("expert_fc1", (permuted,), "permuted tokens, balanced routing (expected; GPU check pending)", False)
+    if "moe_act" in recomputed:
+        b.point("moe_act", (fc1, probs), "recompute moe_act: the checkpoint keeps fc1's output as its input, "
+                                         "and that moves; the activation output is not stored", False)
+        b.notes.append("moe_act is recomputed: moe_act still moves fc1's output (the checkpoint's input)")
+    else:
+        b.keep("expert activation output", rows * model.moe_ffn / etp)
+        b.point("moe_act", (fc1, probs), "expert fc1 output (the SwiGLU input)" if gate == 2
+                else "expert fc1 output (the activation input)", te and t == 1 and etp == 1 and layout.ep == 1)
+    if model.moe_shared_expert_intermediate_size and "shared_experts" not in recomputed:
+        shared = model.moe_shared_expert_intermediate_size
+        b.keep("shared expert fc1 output", tokens * gate * shared / t)
+        b.keep("shared expert activation output", tokens * shared / t)
+
+
+def summarize(layers: Mapping[str, LayerActivations]) -> dict[str, int]:
+    """Per point, the largest offloadable bytes over the layer kinds (for listing the points that apply)."""
+    return {name: max(acts.points[name].offloaded_bytes for acts in layers.values()) for name in OFFLOAD_MODULES}
+

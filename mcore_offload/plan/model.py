@@ -1,0 +1,387 @@
+"""What the planner is told: the model, the parallel layout and the training settings, plus model presets.
+
+Field names follow Megatron-LM's command line (``--num-query-groups`` is ``num_query_groups``) so that a
+launch script's flags carry over. :func:`validate` raises :class:`PlanError` with one sentence that names
+what is wrong and what to do.
+"""
+
+from __future__ import annotations
+
+import ast
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+from mcore_offload.config import DEFAULT_MIN_OFFLOADED_TENSOR_SIZE, OFFLOAD_MODULES, validate_offload_modules
+
+#: megatron-core 0.15's selective-recompute module names.
+RECOMPUTE_MODULES: tuple[str, ...] = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe",
+                                      "shared_experts")
+DTYPE_BYTES: Mapping[str, int] = types.MappingProxyType({"bf16": 2, "fp16": 2, "fp32": 4})
+TRANSFORMER_IMPLS: tuple[str, ...] = ("transformer_engine", "local")
+
+
+class PlanError(ValueError):
+    """The planner's input is inconsistent; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The architecture (Megatron-LM flag names). ``moe_layer_freq``: 1 = every layer is MoE, k = every k-th
+    layer, or one 0/1 per layer (Megatron-LM's ``--moe-layer-freq "([0]*3+[1]*58)"``)."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: int
+    num_query_groups: int | None = None
+    kv_channels: int | None = None
+    vocab_size: int = 32000
+    swiglu: bool = False
+    untie_embeddings_and_output_weights: bool = False
+    num_experts: int | None = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int | None = None
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_layer_freq: int | tuple[int, ...] = 1
+    name: str = "custom"
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.query_groups * self.head_dim
+
+    @property
+    def moe_ffn(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
+    def moe_layers(self) -> tuple[bool, ...]:
+        """Per layer: is it a MoE layer."""
+        if not self.num_experts:
+            return (False,) * self.num_layers
+        if isinstance(self.moe_layer_freq, int):
+            return tuple(i % self.moe_layer_freq == 0 for i in range(self.num_layers))
+        return tuple(bool(x) for x in self.moe_layer_freq)
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    tensor_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None
+    decoder_first_pipeline_num_layers: int | None = None
+    decoder_last_pipeline_num_layers: int | None = None
+
+    @property
+    def tp(self) -> int:
+        return self.tensor_model_parallel_size
+
+    @property
+    def pp(self) -> int:
+        return self.pipeline_model_parallel_size
+
+    @property
+    def vpp(self) -> int:
+        return self.virtual_pipeline_model_parallel_size or 1
+
+    @property
+    def ep(self) -> int:
+        return self.expert_model_parallel_size
+
+    @property
+    def etp(self) -> int:
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+
+    @property
+    def sp(self) -> bool:
+        # Megatron-LM turns sequence parallelism off when TP is 1.
+        return self.sequence_parallel and self.tensor_model_parallel_size > 1
+
+    @property
+    def seq_shards(self) -> int:
+        """Factor by which sequence parallelism shards the hidden-sized tensors outside attention/MLP."""
+        return self.tensor_model_parallel_size if self.sp else 1
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    seq_length: int = 4096
+    micro_batch_size: int = 1
+    num_microbatches: int = 1
+    dtype: str = "fp32"
+    transformer_impl: str = "transformer_engine"
+    recompute_granularity: str | None = None
+    recompute_modules: tuple[str, ...] = ()
+    offload_modules: tuple[str, ...] = ()
+    min_offloaded_tensor_size: int = DEFAULT_MIN_OFFLOADED_TENSOR_SIZE
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def te(self) -> bool:
+        return self.transformer_impl == "transformer_engine"
+
+    @property
+    def recomputed(self) -> frozenset[str]:
+        """The selective-recompute modules in force (megatron-core's default is ``core_attn``)."""
+        if self.recompute_granularity != "selective":
+            return frozenset()
+        return frozenset(self.recompute_modules or ("core_attn",))
+
+    @property
+    def full_recompute(self) -> bool:
+        return self.recompute_granularity == "full"
+
+
+# Public architecture numbers (model cards / HF configs). All five train in bf16 with SwiGLU and untied
+# output weights; presets set those too. Sequence length, batch and layout come from the command line.
+_PRESETS: Mapping[str, ModelSpec] = types.MappingProxyType({
+    "llama3-8b": ModelSpec(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
+                           ffn_hidden_size=14336, vocab_size=128256, swiglu=True,
+                           untie_embeddings_and_output_weights=True, name="llama3-8b"),
+    "llama3-70b": ModelSpec(num_layers=80, hidden_size=8192, num_attention_heads=64, num_query_groups=8,
+                            ffn_hidden_size=28672, vocab_size=128256, swiglu=True,
+                            untie_embeddings_and_output_weights=True, name="llama3-70b"),
+    # head_dim 128 with 32 heads: the query width (4096) is twice the hidden size.
+    "qwen3-30b-a3b": ModelSpec(num_layers=48, hidden_size=2048, num_attention_heads=32, num_query_groups=4,
+                               kv_channels=128, ffn_hidden_size=6144, vocab_size=151936, swiglu=True,
+                               untie_embeddings_and_output_weights=True, num_experts=128, moe_router_topk=8,
+                               moe_ffn_hidden_size=768, name="qwen3-30b-a3b"),
+    "mixtral-8x7b": ModelSpec(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
+                              ffn_hidden_size=14336, vocab_size=32000, swiglu=True,
+                              untie_embeddings_and_output_weights=True, num_experts=8, moe_router_topk=2,
+                              moe_ffn_hidden_size=14336, name="mixtral-8x7b"),
+    # Multi-latent attention is approximated by standard multi-head attention with the same 128 heads and
+    # head_dim 128 (MLA's value head size; its q/k heads are 192 wide, so q/k bytes are ~1/3 low). The first
+    # three layers are dense (ffn 18432); one shared expert of 2048; multi-token prediction is not modelled.
+    "deepseek-v3": ModelSpec(num_layers=61, hidden_size=7168, num_attention_heads=128, kv_channels=128,
+                             ffn_hidden_size=18432, vocab_size=129280, swiglu=True,
+                             untie_embeddings_and_output_weights=True, num_experts=256, moe_router_topk=8,
+                             moe_ffn_hidden_size=2048, moe_shared_expert_intermediate_size=2048,
+                             moe_layer_freq=(0,) * 3 + (1,) * 58, name="deepseek-v3"),
+})
+
+
+def preset_names() -> tuple[str, ...]:
+    return tuple(_PRESETS)
+
+
+def get_preset(name: str) -> ModelSpec:
+    """The preset ``name``; :class:`PlanError` for an unknown one."""
+    try:
+        return _PRESETS[name]
+    except KeyError:
+        raise PlanError(f"Unknown preset {name!r}: choose one of {', '.join(_PRESETS)}, "
+                        "or describe the model with --num-layers, --hidden-size, ... instead.") from None
+
+
+def with_overrides(spec: ModelSpec, **overrides: object) -> ModelSpec:
+    """``spec`` with the given fields replaced; ``None`` values leave a field as it is."""
+    return replace(spec, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def parse_moe_layer_freq(text: str | int) -> int | tuple[int, ...]:
+    """Megatron-LM's ``--moe-layer-freq``: an int, or a list expression such as ``([0]*3+[1]*58)``.
+
+    Evaluated on the syntax tree (lists of 0/1, ``*`` by an int, ``+``), never with ``eval``.
+    """
+    if isinstance(text, int):
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        pass
+
+    def value(node: ast.AST) -> list[int] | int:
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.List):
+            return [_as_int(value(e)) for e in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add | ast.Mult):
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Add) and isinstance(left, list) and isinstance(right, list):
+                return left + right
+            if isinstance(node.op, ast.Mult) and isinstance(left, list) and isinstance(right, int):
+                return left * right
+        raise PlanError(f"--moe-layer-freq {text!r} is not an int or a list expression like '([0]*3+[1]*58)'; "
+                        "write it in that form.")
+
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+    except SyntaxError:
+        raise PlanError(f"--moe-layer-freq {text!r} is not an int or a list expression like '([0]*3+[1]*58)'; "
+                        "write it in that form.") from None
+    result = value(tree.body)
+    if not isinstance(result, list) or any(x not in (0, 1) for x in result):
+        raise PlanError(f"--moe-layer-freq {text!r} must give one 0 or 1 per layer; write e.g. '([0]*3+[1]*58)'.")
+    return tuple(result)
+
+
+def _as_int(v: list[int] | int) -> int:
+    if not isinstance(v, int):
+        raise PlanError("--moe-layer-freq lists hold plain 0/1 entries; write e.g. '([0]*3+[1]*58)'.")
+    return v
+
+
+def _positive(name: str, value: int | None) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+        raise PlanError(f"{name} must be a positive integer, got {value!r}; pass a value of at least 1.")
+
+
+def _divides(what: str, total: int, by_name: str, by: int, fix: str) -> None:
+    if total % by:
+        raise PlanError(f"{what} ({total}) is not divisible by {by_name} ({by}); {fix}.")
+
+
+def validate(model: ModelSpec, layout: ParallelLayout, training: TrainingSpec) -> None:
+    """Check the three specs together, as megatron-core would at start-up; raise :class:`PlanError`."""
+    for flag, value in (("--num-layers", model.num_layers), ("--hidden-size", model.hidden_size),
+                        ("--num-attention-heads", model.num_attention_heads),
+                        ("--ffn-hidden-size", model.ffn_hidden_size), ("--num-query-groups", model.num_query_groups),
+                        ("--kv-channels", model.kv_channels), ("--vocab-size", model.vocab_size),
+                        ("--num-experts", model.num_experts), ("--moe-router-topk", model.moe_router_topk),
+                        ("--moe-ffn-hidden-size", model.moe_ffn_hidden_size),
+                        ("--moe-shared-expert-intermediate-size", model.moe_shared_expert_intermediate_size),
+                        ("--tensor-model-parallel-size", layout.tensor_model_parallel_size),
+                        ("--pipeline-model-parallel-size", layout.pipeline_model_parallel_size),
+                        ("--virtual-pipeline-model-parallel-size", layout.virtual_pipeline_model_parallel_size),
+                        ("--expert-model-parallel-size", layout.expert_model_parallel_size),
+                        ("--expert-tensor-parallel-size", layout.expert_tensor_parallel_size),
+                        ("--seq-length", training.seq_length), ("--micro-batch-size", training.micro_batch_size),
+                        ("--num-microbatches", training.num_microbatches)):
+        _positive(flag, value)
+    _validate_model(model, layout)
+    _validate_pipeline(model, layout, training)
+    _validate_training(model, layout, training)
+
+
+def _validate_model(model: ModelSpec, layout: ParallelLayout) -> None:
+    tp = layout.tp
+    if model.kv_channels is None:
+        _divides("--hidden-size", model.hidden_size, "--num-attention-heads", model.num_attention_heads,
+                 "pass --kv-channels or pick sizes that divide")
+    _divides("--num-attention-heads", model.num_attention_heads, "--num-query-groups", model.query_groups,
+             "use a query-group count that divides the head count")
+    _divides("--num-attention-heads", model.num_attention_heads, "--tensor-model-parallel-size", tp,
+             "use a TP size that divides the head count")
+    _divides("--num-query-groups", model.query_groups, "--tensor-model-parallel-size", tp,
+             "use a TP size that divides the query-group count")
+    if not model.num_experts:
+        if layout.ep > 1:
+            raise PlanError(f"--expert-model-parallel-size {layout.ep} needs a MoE model; add --num-experts "
+                            "or drop the flag.")
+        _divides("--ffn-hidden-size", model.ffn_hidden_size, "--tensor-model-parallel-size", tp,
+                 "use a TP size that divides the FFN size")
+        return
+    _divides("--num-experts", model.num_experts, "--expert-model-parallel-size", layout.ep,
+             "use an EP size that divides the expert count")
+    if model.moe_router_topk > model.num_experts:
+        raise PlanError(f"--moe-router-topk {model.moe_router_topk} exceeds --num-experts {model.num_experts}; "
+                        "route to at most as many experts as there are.")
+    _divides("--moe-ffn-hidden-size", model.moe_ffn, "--expert-tensor-parallel-size", layout.etp,
+             "use an expert-TP size that divides the expert FFN size")
+    if tp > 1 and not layout.sequence_parallel:
+        raise PlanError("MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel (megatron-core "
+                        "requires it); add --sequence-parallel.")
+    freq = model.moe_layer_freq
+    if isinstance(freq, tuple) and len(freq) != model.num_layers:
+        raise PlanError(f"--moe-layer-freq lists {len(freq)} layers but --num-layers is {model.num_layers}; "
+                        "give one 0/1 entry per layer.")
+    if isinstance(freq, int) and freq < 1:
+        raise PlanError(f"--moe-layer-freq must be at least 1, got {freq}; use 1 for a MoE block in every layer.")
+
+
+def _validate_pipeline(model: ModelSpec, layout: ParallelLayout, training: TrainingSpec) -> None:
+    pp, vpp, layers = layout.pp, layout.vpp, model.num_layers
+    if layout.virtual_pipeline_model_parallel_size and pp == 1:
+        raise PlanError("virtual pipeline stages need --pipeline-model-parallel-size > 1; raise PP or drop the "
+                        "VPP flag.")
+    first, last = layout.decoder_first_pipeline_num_layers, layout.decoder_last_pipeline_num_layers
+    if first is None and last is None:
+        _divides("--num-layers", layers, "PP x VPP", pp * vpp,
+                 "pick PP/VPP sizes that divide it, or set --decoder-first-pipeline-num-layers / "
+                 "--decoder-last-pipeline-num-layers")
+    else:
+        _validate_uneven(layers, pp, vpp, first, last)
+    if vpp > 1:
+        if training.num_microbatches < pp or training.num_microbatches % pp:
+            raise PlanError(f"the interleaved schedule needs --num-microbatches ({training.num_microbatches}) to "
+                            f"be a multiple of --pipeline-model-parallel-size ({pp}); change either.")
+
+
+def _validate_uneven(layers: int, pp: int, vpp: int, first: int | None, last: int | None) -> None:
+    if pp == 1:
+        raise PlanError("--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1; "
+                        "drop them or raise PP.")
+    ends = [n for n in (first, last) if n is not None]
+    for n in ends:
+        _positive("--decoder-first/last-pipeline-num-layers", n)
+        _divides("the first/last stage's layer count", n, "VPP", vpp, "pick a multiple of the VPP size")
+    middle_stages = pp - len(ends)
+    middle = layers - sum(ends)
+    uneven = middle_stages and (middle <= 0 or middle % (middle_stages * vpp))
+    if middle < 0 or (middle_stages == 0 and middle) or uneven:
+        raise PlanError(f"{layers} layers minus the first/last stage's {sum(ends)} do not split evenly over the "
+                        f"other {middle_stages} stage(s) x VPP {vpp}; adjust the first/last stage layer counts.")
+
+
+def _validate_training(model: ModelSpec, layout: ParallelLayout, training: TrainingSpec) -> None:
+    if training.dtype not in DTYPE_BYTES:
+        raise PlanError(f"Unknown dtype {training.dtype!r}: use bf16, fp16 or fp32.")
+    if training.transformer_impl not in TRANSFORMER_IMPLS:
+        raise PlanError(f"Unknown --transformer-impl {training.transformer_impl!r}: use transformer_engine or local.")
+    if layout.sp:
+        _divides("--seq-length", training.seq_length, "--tensor-model-parallel-size", layout.tp,
+                 "with --sequence-parallel pick a sequence length TP divides")
+    if training.recompute_granularity not in (None, "full", "selective"):
+        raise PlanError(f"Unknown --recompute-granularity {training.recompute_granularity!r}: use full or "
+                        "selective.")
+    unknown = [m for m in training.recompute_modules if m not in RECOMPUTE_MODULES]
+    if unknown:
+        raise PlanError(f"Unknown --recompute-modules {unknown}: choose from {', '.join(RECOMPUTE_MODULES)}.")
+    if "mla_up_proj" in training.recomputed:
+        raise PlanError("--recompute-modules mla_up_proj needs multi-latent attention, which the planner models "
+                        "as standard attention; drop mla_up_proj.")
+    try:
+        validate_offload_modules(training.offload_modules)
+    except ValueError as exc:
+        raise PlanError(str(exc)) from None
+    if "attn_proj" in training.offload_modules and "core_attn" not in training.offload_modules:
+        raise PlanError("--offload-modules has attn_proj without core_attn: core attention saves the same tensor, "
+                        "so attn_proj alone frees nothing; add core_attn or drop attn_proj.")
+    size = training.min_offloaded_tensor_size
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise PlanError(f"--min-offloaded-tensor-size must be a non-negative number of elements, got {size!r}; "
+                        f"use 0 to offload everything or keep the default {DEFAULT_MIN_OFFLOADED_TENSOR_SIZE}.")
+
+
+__all__ = [
+    "DTYPE_BYTES",
+    "OFFLOAD_MODULES",
+    "RECOMPUTE_MODULES",
+    "ModelSpec",
+    "ParallelLayout",
+    "PlanError",
+    "TrainingSpec",
+    "get_preset",
+    "parse_moe_layer_freq",
+    "preset_names",
+    "validate",
+    "with_overrides",
+]

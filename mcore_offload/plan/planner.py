@@ -1,0 +1,256 @@
+"""Put the pieces together: per rank and offload set, the projected peak; the recommended set.
+
+Projected peak of rank ``r`` with set ``S`` (bytes)::
+
+    static    = parameters on the rank x 2 x dtype bytes          (weights + grads, no optimizer state)
+    logits    = T * V_padded / t * (dtype bytes + 4)              (last stage: logits and the fp32 copy
+                                                                   the cross entropy makes)
+    act(none) = sum over in-flight chunk forwards, over their layers, of the layer's saved bytes + logits
+    act(S)    = act(none) - sum over the same layers, except the last layer of the most recent chunk forward,
+                of the bytes S offloads from that layer
+
+The second rule is what the runtime does: a layer's groups leave at the next layer boundary, and the last
+layer of the chunk that turns around first is still on the device when the peak is reached.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from mcore_offload.config import OFFLOAD_MODULES
+from mcore_offload.plan.activations import LayerActivations, layer_activations, summarize
+from mcore_offload.plan.hardware import (
+    Hardware,
+    TransferTiming,
+    forward_seconds,
+    layer_forward_flops,
+    transfer_timing,
+)
+from mcore_offload.plan.model import ModelSpec, ParallelLayout, PlanError, TrainingSpec, validate
+from mcore_offload.plan.recommend import (
+    MAX_EXPOSED,
+    LayerCost,
+    RankDemand,
+    Recommendation,
+    freed_bytes,
+    recommend,
+)
+from mcore_offload.plan.schedule import PeakLayers, layer_assignment, peak_layers, schedule_name
+
+logger = logging.getLogger(__name__)
+
+GIB = 2**30
+ATTENTION_SET = ("qkv_linear", "core_attn", "attn_proj")
+MOE_SET = ("expert_fc1", "moe_act")
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """Everything the planner needs; ``memory_target_gib`` is per rank, against the projected total."""
+
+    model: ModelSpec
+    layout: ParallelLayout
+    training: TrainingSpec
+    hardware: Hardware
+    memory_target_gib: float | None = None
+    max_exposed: float = MAX_EXPOSED
+
+
+@dataclass(frozen=True)
+class OffloadSet:
+    label: str
+    modules: tuple[str, ...]
+    bytes_per_layer: Mapping[str, int]  # layer kind -> bytes one layer offloads per microbatch
+    timing: Mapping[str, TransferTiming]  # layer kind -> transfer against compute
+    exposed_fraction: float
+    hidden: bool
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    chunk: int
+    layers: range
+    kinds: Mapping[str, int]
+    in_flight: int  # forwards of this chunk held at the peak
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    rank: int
+    chunks: tuple[ChunkPlan, ...]
+    peak: PeakLayers
+    offloaded_layers: Mapping[str, int]  # layer kind -> layers whose groups are off the device at the peak
+    static_bytes: int
+    logits_bytes: int
+    activation_bytes: Mapping[str, int]  # set label -> projected activation peak (incl. logits)
+
+    def total_bytes(self, label: str) -> int:
+        return self.static_bytes + self.activation_bytes[label]
+
+
+@dataclass(frozen=True)
+class Plan:
+    config: PlanConfig
+    schedule: str
+    layers: Mapping[str, LayerActivations]
+    forward_seconds: Mapping[str, float]
+    sets: tuple[OffloadSet, ...]
+    ranks: tuple[RankPlan, ...]
+    recommendation: Recommendation
+    warnings: tuple[str, ...]
+
+
+def padded_vocab(model: ModelSpec, layout: ParallelLayout) -> int:
+    """Megatron-LM pads the vocabulary to a multiple of 128 x TP."""
+    unit = 128 * layout.tp
+    return -(-model.vocab_size // unit) * unit
+
+
+def layer_params(model: ModelSpec, layout: ParallelLayout, moe: bool) -> int:
+    """Parameters of one layer on one rank."""
+    t, h = layout.tp, model.hidden_size
+    mats = 3 if model.swiglu else 2
+    params = h * (model.q_dim + 2 * model.kv_dim) // t + model.q_dim * h // t + 2 * h
+    if not moe:
+        return params + h * model.ffn_hidden_size * mats // t
+    experts = (model.num_experts or 0) // layout.ep
+    params += experts * h * model.moe_ffn * mats // layout.etp + h * (model.num_experts or 0)
+    if model.moe_shared_expert_intermediate_size:
+        params += h * model.moe_shared_expert_intermediate_size * mats // t
+    return params
+
+
+def _static_bytes(config: PlanConfig, rank: int, chunks: tuple[range, ...], moe_layers: tuple[bool, ...]) -> int:
+    model, layout = config.model, config.layout
+    params = sum(layer_params(model, layout, moe_layers[i]) for c in chunks for i in c)
+    embedding = padded_vocab(model, layout) * model.hidden_size // layout.tp
+    if rank == 0:
+        params += embedding
+    if rank == layout.pp - 1:
+        # Tied weights still need a copy of the embedding on the last stage when PP > 1.
+        params += model.hidden_size + (embedding if model.untie_embeddings_and_output_weights or layout.pp > 1
+                                       else 0)
+    return params * 2 * config.training.dtype_bytes
+
+
+def _offload_sets(layers: Mapping[str, LayerActivations], training: TrainingSpec,
+                  rec: Recommendation) -> list[tuple[str, tuple[str, ...]]]:
+    """(label, modules): none, each useful point alone, the attention and MoE sets, all, requested, recommended."""
+    useful = [m for m, nbytes in summarize(layers).items() if nbytes > 0]
+    sets: list[tuple[str, tuple[str, ...]]] = [("none", ())]
+    for m in useful:
+        sets.append(("core_attn+attn_proj", ("core_attn", "attn_proj")) if m == "attn_proj" else (m, (m,)))
+    if any(m in useful for m in ATTENTION_SET):
+        sets.append(("attention", ATTENTION_SET))
+    if any(m in useful for m in MOE_SET):
+        sets.append(("moe", MOE_SET))
+    everything = tuple(m for m in OFFLOAD_MODULES if m in useful or (m == "core_attn" and "attn_proj" in useful))
+    if everything:
+        sets.append(("all", everything))
+    merged: dict[tuple[str, ...], str] = {}
+    for label, modules in sets:
+        key = tuple(m for m in OFFLOAD_MODULES if m in modules)
+        merged[key] = f"{merged[key]}/{label}" if key in merged else label
+    out = [(label, modules) for modules, label in merged.items()]
+    if training.offload_modules:
+        out.append(("requested", tuple(m for m in OFFLOAD_MODULES if m in training.offload_modules)))
+    out.append(("recommended", rec.modules))
+    return out
+
+
+def build_plan(config: PlanConfig) -> Plan:
+    """Validate ``config`` and project every rank's peak for every offload set."""
+    model, layout, training, hw = config.model, config.layout, config.training, config.hardware
+    validate(model, layout, training)
+    if config.memory_target_gib is not None and not config.memory_target_gib > 0:
+        raise PlanError(f"--memory-target-gib must be a positive number, got {config.memory_target_gib!r}; "
+                        "pass the per-rank budget in GiB.")
+    moe_layers = model.moe_layers()
+    kinds = {"moe" if m else "dense" for m in moe_layers}
+    layers = {k: layer_activations(model, layout, training, moe=k == "moe") for k in sorted(kinds)}
+    fwd = {k: forward_seconds(layer_forward_flops(model, layout, training, k == "moe"), hw, training.dtype)
+           for k in layers}
+    costs = {k: LayerCost({m: acts.points[m].offloaded_bytes for m in OFFLOAD_MODULES}, fwd[k])
+             for k, acts in layers.items()}
+
+    def kind(layer: int) -> str:
+        return "moe" if moe_layers[layer] else "dense"
+
+    assignment = layer_assignment(model.num_layers, layout)
+    peaks = [peak_layers(chunks, layout.pp, r, training.num_microbatches) for r, chunks in enumerate(assignment)]
+    offloaded = []
+    for peak in peaks:
+        count = Counter(kind(layer) for layer in peak.resident)
+        count[kind(peak.turning_layer)] -= 1
+        offloaded.append(dict(count))
+    statics = [_static_bytes(config, r, chunks, moe_layers) for r, chunks in enumerate(assignment)]
+    vocab = padded_vocab(model, layout)
+    tokens = training.seq_length * training.micro_batch_size
+    logits = [tokens * vocab // layout.tp * (training.dtype_bytes + 4) if r == layout.pp - 1 else 0
+              for r in range(layout.pp)]
+    baseline = [sum(layers[kind(layer)].total_bytes for layer in peak.resident) + logit
+                for peak, logit in zip(peaks, logits)]
+    target = None if config.memory_target_gib is None else int(config.memory_target_gib * GIB)
+    demands = [RankDemand(off, None if target is None else static + base - target)
+               for off, static, base in zip(offloaded, statics, baseline)]
+    rec = recommend(costs, hw.link, demands, max_exposed=config.max_exposed)
+
+    sets, freed = [], {}
+    for label, modules in _offload_sets(layers, training, rec):
+        per_kind = {k: costs[k].set_bytes(modules) for k in layers}
+        timing = {k: transfer_timing(per_kind[k], fwd[k], hw.link) for k in layers}
+        exposed = max(t.exposed_fraction for t in timing.values())
+        sets.append(OffloadSet(label, modules, per_kind, timing, exposed, exposed <= config.max_exposed))
+        freed[label] = freed_bytes(modules, costs, demands)
+
+    ranks = []
+    for r, chunks in enumerate(assignment):
+        chunk_plans = tuple(ChunkPlan(c, rng, dict(Counter(kind(i) for i in rng)), peaks[r].forward_chunks.count(c))
+                            for c, rng in enumerate(chunks))
+        act = {s.label: baseline[r] - freed[s.label][r] for s in sets}
+        ranks.append(RankPlan(r, chunk_plans, peaks[r], offloaded[r], statics[r], logits[r], act))
+    warnings = _warnings(config, layers, sets, ranks, rec, target)
+    for w in warnings:
+        logger.debug("plan: %s", w)
+    return Plan(config, schedule_name(layout), layers, fwd, tuple(sets), tuple(ranks), rec, tuple(warnings))
+
+
+def _warnings(config: PlanConfig, layers: Mapping[str, LayerActivations], sets: list[OffloadSet],
+              ranks: list[RankPlan], rec: Recommendation, target: int | None) -> list[str]:
+    model, layout, training = config.model, config.layout, config.training
+    out: list[str] = []
+    for acts in layers.values():
+        out.extend(n for n in acts.notes if n not in out)
+    for m in training.offload_modules:
+        if all(acts.points[m].offloaded_bytes == 0 for acts in layers.values()):
+            note = next(iter(layers.values())).points[m].note
+            out.append(f"requested {m} moves nothing here: {note}")
+    requested = next((s for s in sets if s.label == "requested"), None)
+    if requested is not None and not requested.hidden:
+        out.append(f"the requested set leaves {requested.exposed_fraction:.1%} of compute exposed "
+                   f"(budget {config.max_exposed:.0%})")
+    if layout.sequence_parallel and layout.tp == 1:
+        out.append("--sequence-parallel has no effect with TP=1 (Megatron-LM turns it off)")
+    if training.recompute_modules and training.recompute_granularity != "selective":
+        out.append("--recompute-modules only applies with --recompute-granularity selective")
+    if not training.te:
+        out.append("local spec: norm and unfused-attention estimates are not validated on a GPU")
+    if model.num_experts:
+        out.append("MoE bytes assume balanced routing: each rank's experts receive seq x mbs x topk / d x ETP rows; "
+                   "measured MoE peaks ran 10-21% above this projection (docs/plan.md)")
+    if model.name == "deepseek-v3":
+        out.append("deepseek-v3: multi-latent attention is modelled as standard attention (128 heads of 128)")
+    if target is not None:
+        over = [r.rank for r in ranks if r.total_bytes("recommended") > target]
+        if over:
+            out.append(f"rank(s) {over} stay above the {config.memory_target_gib:g} GiB target with the "
+                       "recommended set")
+    for r in ranks:
+        if r.total_bytes("none") > config.hardware.memory_gib * GIB:
+            out.append(f"rank {r.rank} projects {r.total_bytes('none') / GIB:.1f} GiB without offloading, more "
+                       f"than the {config.hardware.name}'s {config.hardware.memory_gib:g} GiB")
+            break
+    return out
