@@ -219,6 +219,12 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _label(r: dict) -> str:
+    if r["impl"] == "baseline":
+        return f"baseline (megatron-core {r['megatron_core']})"
+    return f"{r['impl']}: {' '.join(r['offload_modules'])}"
+
+
 def plot(rows: list[dict], path: Path) -> bool:
     """Per-rank peak memory, one panel per configuration: baseline / ours / native bars."""
     try:
@@ -230,32 +236,33 @@ def plot(rows: list[dict], path: Path) -> bool:
         logger.warning("matplotlib is not installed: no plot written (pip install matplotlib)")
         return False
     ok = [r for r in rows if not r.get("failed") and r["peak_bytes"] is not None]
-    configs = sorted({r["config"] for r in ok})
+    configs = list(dict.fromkeys(r["config"] for r in ok))
     if not configs:
         return False
-    colors = {"baseline": "#888888", "ours": "#2a7ab9", "native": "#e08a2c"}
-    fig, axes = plt.subplots(1, len(configs), figsize=(5.5 * len(configs), 4.2), squeeze=False)
+    shades = {"baseline": ["#9a9a9a", "#c8c8c8"], "ours": ["#6fa8dc", "#1f5fa0"], "native": ["#f0b46c", "#c46a12"]}
+    fig, axes = plt.subplots(1, len(configs), figsize=(5.2 * len(configs), 5.0), squeeze=False)
     for ax, cfg in zip(axes[0], configs):
         mine = [r for r in ok if r["config"] == cfg]
-        labels = list(dict.fromkeys(f"{r['impl']} {r['megatron_core']}\n{'+'.join(r['offload_modules']) or '-'}"
-                                    for r in mine))
+        labels = list(dict.fromkeys(_label(r) for r in mine))
         ranks = sorted({r["rank"] for r in mine})
         width = 0.8 / len(labels)
+        seen: dict[str, int] = {}
         for i, label in enumerate(labels):
+            impl = label.split()[0].rstrip(":")
+            color = shades[impl][seen.get(impl, 0) % 2]
+            seen[impl] = seen.get(impl, 0) + 1
             for rank in ranks:
-                r = next((x for x in mine if x["rank"] == rank and
-                          f"{x['impl']} {x['megatron_core']}\n{'+'.join(x['offload_modules']) or '-'}" == label), None)
-                if r is None:
-                    continue
-                ax.bar(rank + i * width, r["peak_bytes"] / 2**30, width, color=colors[r["impl"]],
-                       alpha=0.55 + 0.45 * (i % 3) / 2, edgecolor="black", linewidth=0.4,
-                       label=label if rank == ranks[0] else None)
+                r = next((x for x in mine if x["rank"] == rank and _label(x) == label), None)
+                if r is not None:
+                    ax.bar(rank + i * width, r["peak_bytes"] / 2**30, width, color=color, edgecolor="black",
+                           linewidth=0.4, label=label if rank == ranks[0] else None)
         ax.set_xticks([rank + 0.4 - width / 2 for rank in ranks], [f"rank {rank}" for rank in ranks])
         ax.set_ylabel("peak allocated (GiB)")
         ax.set_title(f"{cfg}: {CONFIGS[cfg].description}" if cfg in CONFIGS else cfg, fontsize=8)
-        ax.legend(fontsize=6, loc="lower right")
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=1, frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
     return True
 
 

@@ -177,7 +177,8 @@ def batches(args, step: int, device):
 
 def loss_func(loss_mask, output_tensor):
     loss = (output_tensor.float() * loss_mask).sum() / loss_mask.sum()
-    return loss, {"lm loss": loss.detach()}
+    # clone: the schedule divides the returned loss in place by the number of microbatches
+    return loss, {"lm loss": loss.detach().clone()}
 
 
 def peak_reader(device: torch.device):
