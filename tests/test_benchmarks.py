@@ -71,3 +71,16 @@ def test_bad_arguments_get_one_sentence(capsys):
                                    "--out", "x"])
     with pytest.raises(SystemExit, match="cannot run; drop native"):
         peak_memory.plan_runs(args)
+
+
+def test_matrix_summary_lists_each_set_once_with_per_rank_values():
+    import report_matrix
+
+    base = {"config": "D", "impl": "baseline", "offload_modules": [], "megatron_core": "0.15.3"}
+    rows = [dict(base, rank=0), dict(base, rank=1)]
+    for rank, delta, r, over in ((1, 50 * 2**20, 1.0, 3.0), (0, 100 * 2**20, 0.5, 2.0)):
+        rows.append({"config": "D", "impl": "ours", "offload_modules": ["core_attn"], "rank": rank,
+                     "delta_peak_bytes": delta, "R": r, "overhead_pct": over, "loss_equal": True})
+    text = report_matrix.summary(rows)
+    assert "| D | core_attn | ours | 100 / 50 | 0.50 / 1.00 | +2.0 / +3.0 | True |" in text
+    assert "baseline" not in text
