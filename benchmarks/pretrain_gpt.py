@@ -66,6 +66,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--deterministic", action="store_true",
       help="deterministic kernels (torch deterministic algorithms, TE deterministic attention)")
     a("--memory-timeline", action="store_true", help="log allocated memory around every microbatch")
+    a("--profile-steps", type=int, nargs=2, default=None, metavar=("FIRST", "LAST"),
+      help="torch.profiler trace of these steps (inclusive), summarised by trace_analysis.py")
+    a("--profile-dir", default="profile", help="where traces and their summaries go")
     a("--json-out", default=None, help="write every rank's results here (rank 0)")
     a("--label", default="", help="free text stored in the JSON")
     args = p.parse_args(argv)
@@ -191,6 +194,49 @@ def peak_reader(device: torch.device):
         return lambda: torch.cuda.max_memory_allocated(idx)
 
 
+def annotate_offload_runtime() -> None:
+    """Name the offload runtime's own work in profiler traces (profiling runs only)."""
+    try:
+        from mcore_offload.runtime import handler, transport
+    except ImportError:
+        return
+    targets = [(handler.ChunkOffloadHandler, n) for n in
+               ("tensor_push", "tensor_pop", "flush", "on_group_commit_backward", "on_group_backward_done",
+                "finish")] + [(transport.CudaTransport, n) for n in ("to_host", "to_device")]
+    for cls, name in targets:
+        fn = getattr(cls, name)
+
+        def wrapped(*a, __fn=fn, __label=f"mcore_offload.{cls.__name__}.{name}", **kw):
+            with torch.profiler.record_function(__label):
+                return __fn(*a, **kw)
+
+        setattr(cls, name, wrapped)
+
+
+def write_profile(prof, args, rank: int) -> None:
+    import gzip
+    import shutil
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from trace_analysis import analyse
+
+    out = Path(args.profile_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    trace = out / f"trace_rank{rank}.json"
+    prof.export_chrome_trace(str(trace))
+    summary = analyse(json.loads(trace.read_text()))
+    (out / f"analysis_rank{rank}.json").write_text(json.dumps(summary, indent=1))
+    (out / f"ops_rank{rank}.txt").write_text(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
+    with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    trace.unlink()
+    cs = summary.get("compute_stream", {})
+    logger.info("rank %d profile: compute stream busy %.1f of %.1f ms, idle cpu-bound %.1f ms, gpu-wait %.1f ms",
+                rank, cs.get("busy_ms", 0), cs.get("window_ms", 0), cs.get("cpu_bound_ms", 0),
+                cs.get("gpu_wait_ms", 0))
+
+
 def native_accounting() -> dict:
     """Upstream 0.16's own count of offloaded bytes (collected after its warm-up step)."""
     try:
@@ -273,7 +319,14 @@ def main(argv=None) -> int:
     ours = args.fine_grained_activation_offloading and mc.__version__.startswith("0.15")
     losses, step_ms = [], []
     peak_step1, at_peak = None, None
+    prof = None
+    if args.profile_steps:
+        annotate_offload_runtime()
     for step in range(args.train_iters):
+        if args.profile_steps and step == args.profile_steps[0]:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
+                                          + ([torch.profiler.ProfilerActivity.CUDA] if cuda else []))
+            prof.__enter__()
         if cuda and step == 1:
             # Step 0 allocates the optimizer-free model's gradients and autotunes; peaks are read from step 1.
             torch.cuda.synchronize()
@@ -295,6 +348,10 @@ def main(argv=None) -> int:
         if cuda:
             torch.cuda.synchronize()
         step_ms.append((time.perf_counter() - t0) * 1e3)
+        if prof is not None and step == args.profile_steps[1]:
+            prof.__exit__(None, None, None)
+            write_profile(prof, args, rank)
+            prof = None
         if cuda and step == 1:
             peak_step1 = torch.cuda.max_memory_allocated()
             if ours:

@@ -84,3 +84,30 @@ def test_matrix_summary_lists_each_set_once_with_per_rank_values():
     text = report_matrix.summary(rows)
     assert "| D | core_attn | ours | 100 / 50 | 0.50 / 1.00 | +2.0 / +3.0 | True |" in text
     assert "baseline" not in text
+
+
+def test_trace_analysis_splits_compute_idle_into_cpu_bound_and_gpu_wait():
+    import trace_analysis
+
+    def kernel(ts, dur, corr, stream=7):
+        return {"ph": "X", "cat": "kernel", "name": f"k{corr}", "ts": ts, "dur": dur,
+                "args": {"stream": stream, "correlation": corr}}
+
+    def launch(ts, corr):
+        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 5,
+                "args": {"correlation": corr}}
+
+    events = [
+        kernel(0, 100, 1), launch(-20, 1),
+        kernel(200, 100, 2), launch(10, 2),     # launched early: the 100 us gap is a GPU-side wait
+        kernel(400, 100, 3), launch(345, 3),    # launched 50 us after the stream went idle at 300
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "ts": 0, "dur": 1000,
+         "args": {"stream": 20, "bytes": 55_000_000}},
+        {"ph": "X", "cat": "user_annotation", "name": "mcore_offload.x", "ts": 0, "dur": 2000},
+    ]
+    out = trace_analysis.analyse({"traceEvents": events})
+    cs = out["compute_stream"]
+    assert cs["stream"] == "7" and cs["busy_ms"] == pytest.approx(0.3) and cs["window_ms"] == pytest.approx(0.5)
+    assert cs["cpu_bound_ms"] == pytest.approx(0.05) and cs["gpu_wait_ms"] == pytest.approx(0.15)
+    assert out["copies"]["DtoH"]["GBps"] == pytest.approx(55.0)
+    assert out["annotations"]["mcore_offload.x"] == {"count": 1, "ms": 2.0}
