@@ -35,6 +35,7 @@ class StepRecord:
     step: int
     aborted: bool
     points: dict[str, dict[str, int]]
+    host_buffer_allocations: int = 0  # pinned buffers newly allocated during this step (0 once warm)
 
     def total(self, counter: str) -> int:
         return sum(c[counter] for c in self.points.values())
@@ -52,6 +53,7 @@ class OffloadSummary:
     off_device_at_peak_bytes: int = 0  # their value when the device peak was reached (see track_peak)
     _current: dict[str, dict[str, int]] = field(default_factory=_new_points)
     _peak_reader: Callable[[], int] | None = None
+    _allocations_seen: int = 0
     _last_peak: int = 0
 
     def add(self, point: str, counter: str, nbytes: int) -> None:
@@ -90,8 +92,12 @@ class OffloadSummary:
         return bool(self._current)
 
     def close_step(self, aborted: bool = False) -> None:
+        from mcore_offload.runtime.transport import _TRANSPORTS
+
         points = {k: dict(v) for k, v in self._current.items()}
-        self.steps.append(StepRecord(len(self.steps), aborted, points))
+        allocations = sum(t.pool.allocations for t in _TRANSPORTS.values())
+        self.steps.append(StepRecord(len(self.steps), aborted, points, allocations - self._allocations_seen))
+        self._allocations_seen = allocations
         self._current = _new_points()
 
     @property
@@ -110,6 +116,7 @@ class OffloadSummary:
             "off_device_bytes": self.off_device_bytes,
             "off_device_at_peak_bytes": self.off_device_at_peak_bytes,
             "host_buffer_allocations": sum(t.pool.allocations for t in _TRANSPORTS.values()),
+            "host_buffer_allocations_per_step": [s.host_buffer_allocations for s in self.steps],
             "host_buffer_bytes": sum(t.pool.allocated_bytes for t in _TRANSPORTS.values()),
         }
 

@@ -281,3 +281,11 @@ def test_peak_attribution_reports_the_bytes_off_the_device_when_the_peak_rose():
     # one microbatch: everything released in forward is off the device when the loss is computed
     assert summary.off_device_at_peak_bytes == last.total("released_in_forward") > 0
     assert summary.off_device_bytes == 0  # all reloaded by the end of backward
+
+
+def test_pinned_buffers_are_allocated_in_the_first_step_only():
+    model = Toy(cfg("qkv_linear", "core_attn", "attn_proj"))
+    for step in range(3):
+        train_step(model, [torch.randn(8, 16, generator=torch.Generator().manual_seed(step)) for _ in range(2)])
+    counts = [s.host_buffer_allocations for s in get_summary().steps]
+    assert counts[0] > 0 and counts[1:] == [0, 0]
