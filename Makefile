@@ -23,6 +23,8 @@ test: env lint
 	$(PY) -m pytest -q -p no:cacheprovider
 
 demo: env
+	$(VENV)/bin/mcore-offload plan --preset llama3-8b --pipeline-model-parallel-size 2 --seq-length 8192 \
+	  --num-microbatches 8 --gpu h100
 	$(VENV)/bin/torchrun --nproc-per-node 1 benchmarks/cpu_launch.py --transformer-impl local \
 	  --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --vocab-size 256 \
 	  --micro-batch-size 2 --num-microbatches 2 --train-iters 3 \
