@@ -10,16 +10,20 @@ TE spec, flash/fused attention, no dropout (per layer, per microbatch):
 =====================  ==================  ============================================================
 saved tensor           elements            offload point
 =====================  ==================  ============================================================
-layer input            T*h/d               none (the residual; held elsewhere, never offloaded)
+layer input            T*h/d               ``qkv_linear`` (LayerNormLinear keeps its input for the norm's
+                                           backward); in the first layer of a model chunk it is the
+                                           embedding output or the received pipeline activation, which
+                                           is held elsewhere, so it stays there
 attention norm output  T*h/d               ``qkv_linear`` (LayerNormLinear keeps it for its wgrad)
 q, k, v                T*(q + 2kv)/t       ``core_attn`` (one storage, the fused QKV output)
 softmax statistics     T*a/t (fp32)        ``core_attn`` (below the default minimum size: stays)
 attention output       T*q/t               ``attn_proj`` (saved by core attention too: moves only
                                            when ``core_attn`` is offloaded as well)
-dense: MLP input       T*h/d               none;  MLP norm output  T*h/d  none (fused into fc1)
+dense: MLP input       T*h/d               none (fc1's LayerNormLinear, no point)
+dense: MLP norm output T*h/d               none (fused into fc1)
 dense: fc1 output      T*g*f/t             none;  activation output  T*f/t  none
-MoE: MLP input,        T*h/d each          none (TENorm's input; router/dispatcher input)
-     norm output
+MoE: MLP input         T*h/d               ``mlp_norm`` (the separate TENorm keeps its input)
+MoE: norm output       T*h/d               none (the router's and dispatcher's input)
 MoE: permuted tokens   R*h                 ``expert_fc1``,  R = T*topk/d*etp (balanced routing)
 MoE: fc1 output        R*g*f_moe/etp       ``moe_act`` (with the permuted probabilities, R fp32)
 MoE: act output        R*f_moe/etp         none (the fc2 input)
@@ -27,8 +31,11 @@ MoE: act output        R*f_moe/etp         none (the fc2 input)
 
 This is Korthikanti et al. 2022 (sbh(34 + 5as/h)) adapted: flash attention removes the s^2 terms, no
 dropout masks, fused norms, a SwiGLU MLP keeps its fc1 output (2f) and activation output (f). The local spec
-(unfused attention) adds the attention probabilities ``T*a*s/t`` to ``core_attn`` and a ``T*h/d`` estimate to
-each norm point; local-spec estimates are not validated on a GPU.
+(unfused attention) adds the attention probabilities ``T*a*s/t`` to ``core_attn``; its separate norms keep
+their inputs (``attn_norm``: the layer input, ``mlp_norm``: the MLP input), and its linears their inputs
+(``qkv_linear``: the norm output). Local-spec estimates are not validated on a GPU. A norm recomputed with
+``--recompute-modules layernorm`` still keeps its input (the checkpoint saves it inside the point); only its
+output is discarded.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ class Storage:
     name: str
     elements: int
     itemsize: int
+    chunk_input: bool = False  # the layer input: held elsewhere in a model chunk's first layer
 
     @property
     def nbytes(self) -> int:
@@ -57,13 +65,15 @@ class Storage:
 
 @dataclass(frozen=True)
 class PointEstimate:
-    """What offload point ``name`` would move for one layer and one microbatch."""
+    """What offload point ``name`` would move for one layer and one microbatch; ``first_layer_bytes`` is
+    what it moves in the first layer of a model chunk (whose input the embedding or the schedule holds)."""
 
     name: str
     storages: tuple[Storage, ...]
     offloaded_bytes: int
     note: str
     validated: bool
+    first_layer_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -79,9 +89,14 @@ class LayerActivations:
     def total_bytes(self) -> int:
         return sum(s.nbytes for s in self.saved)
 
-    def offloaded_bytes(self, modules: Iterable[str]) -> int:
-        """Bytes that set ``modules`` moves off the device for this layer (points are additive)."""
-        return sum(self.points[m].offloaded_bytes for m in set(modules))
+    def offloaded_bytes(self, modules: Iterable[str], first: bool = False) -> int:
+        """Bytes that set ``modules`` moves off the device for this layer (points are additive); ``first``:
+        the layer is the first of its model chunk."""
+        return sum(self.point_bytes(m, first) for m in set(modules))
+
+    def point_bytes(self, name: str, first: bool = False) -> int:
+        point = self.points[name]
+        return point.first_layer_bytes if first else point.offloaded_bytes
 
 
 @dataclass
@@ -94,8 +109,8 @@ class _Builder:
     points: dict[str, PointEstimate]
     notes: list[str]
 
-    def keep(self, name: str, elements: int, itemsize: int | None = None) -> Storage:
-        storage = Storage(name, int(elements), itemsize or self.itemsize)
+    def keep(self, name: str, elements: int, itemsize: int | None = None, chunk_input: bool = False) -> Storage:
+        storage = Storage(name, int(elements), itemsize or self.itemsize, chunk_input)
         self.saved.append(storage)
         return storage
 
@@ -106,7 +121,9 @@ class _Builder:
             note += f"; {', '.join(small)} below min_offloaded_tensor_size, kept"
         elif small:
             note = f"{note}; below min_offloaded_tensor_size ({self.min_size} elements): nothing moves"
-        self.points[name] = PointEstimate(name, storages, sum(s.nbytes for s in moved), note, validated)
+        nbytes = sum(s.nbytes for s in moved)
+        first = sum(s.nbytes for s in moved if not s.chunk_input)
+        self.points[name] = PointEstimate(name, storages, nbytes, note, validated, first)
 
     def nothing(self, name: str, note: str, validated: bool = False) -> None:
         self.points[name] = PointEstimate(name, (), 0, note, validated)
@@ -134,22 +151,18 @@ def layer_activations(model: ModelSpec, layout: ParallelLayout, training: Traini
     return LayerActivations("moe" if moe else "dense", points, tuple(b.saved), tuple(b.notes))
 
 
-def _norm_point(b: _Builder, name: str, norm_output: Storage | None, training: TrainingSpec,
-                te_fused: bool) -> None:
-    if "layernorm" in training.recomputed:
-        b.nothing(name, "recompute layernorm: the norm output is discarded and recomputed")
-    elif te_fused:
+def _norm_point(b: _Builder, name: str, norm_input: Storage, te_fused: bool, what: str, validated: bool) -> None:
+    """A separate norm keeps its input (a recomputed one too: the checkpoint saves it inside the point)."""
+    if te_fused:
         b.nothing(name, "0 with the TE spec: the norm is fused into the next TE linear", validated=True)
-    elif norm_output is None:
-        b.nothing(name, "TENorm keeps only its input, the residual held elsewhere", validated=True)
     else:
-        b.point(name, (norm_output,), "local spec estimate: one hidden-sized tensor", False)
+        b.point(name, (norm_input,), what, validated)
 
 
 def _attention(b: _Builder, model: ModelSpec, layout: ParallelLayout, training: TrainingSpec, tokens: int) -> None:
     t, d, te = layout.tp, layout.seq_shards, training.te
     recomputed = training.recomputed
-    b.keep("layer input (residual)", tokens * model.hidden_size / d)
+    layer_in = b.keep("layer input (residual)", tokens * model.hidden_size / d, chunk_input=True)
     discard_norm = "layernorm" in recomputed and not te
     norm_out = None if discard_norm else b.keep("attention norm output", tokens * model.hidden_size / d)
     qkv = b.keep("q, k, v", tokens * (model.q_dim + 2 * model.kv_dim) / t)
@@ -162,14 +175,17 @@ def _attention(b: _Builder, model: ModelSpec, layout: ParallelLayout, training: 
                                  tokens * model.num_attention_heads * training.seq_length / t),)
     out = b.keep("attention output", tokens * model.q_dim / t)
 
-    measured = te and t == 1  # the TE-spec, TP=1 numbers match benchmarks/results/issue3-h100-pp1
-    _norm_point(b, "attn_norm", None if te else norm_out, training, te_fused=te)
-    if norm_out is None:
+    measured = te and t == 1  # TE spec, TP=1: benchmarks/results/issue4-* (tests/test_plan_validation.py)
+    held = "; held elsewhere in a chunk's first layer"
+    _norm_point(b, "attn_norm", layer_in, te, "the norm's saved input (the layer input" + held + ")", False)
+    shard = " (local sequence shard)" if layout.sp else ""
+    if te and norm_out is not None:
+        b.point("qkv_linear", (norm_out, layer_in),
+                "LayerNormLinear's saved norm output and input (the layer input" + held + ")" + shard, measured)
+    elif norm_out is None:
         b.nothing("qkv_linear", "recompute layernorm: the linear's saved norm output is discarded")
     else:
-        what = "LayerNormLinear's saved norm output" if te else "the QKV linear's saved input"
-        shard = " (local sequence shard)" if layout.sp else ""
-        b.point("qkv_linear", (norm_out,), what + shard, measured)
+        b.point("qkv_linear", (norm_out,), "the QKV linear's saved input (the norm output)" + shard, False)
     if "core_attn" in recomputed:
         b.nothing("core_attn", "recompute core_attn: the checkpointed branch has no offload point; q, k, v stay "
                                "saved by the checkpoint")
@@ -188,17 +204,16 @@ def _dense_mlp(b: _Builder, model: ModelSpec, layout: ParallelLayout, training: 
     hidden = tokens * model.hidden_size / d
     gate = 2 if model.swiglu else 1
     recomputed = training.recomputed
-    b.keep("MLP input (residual)", hidden)
-    norm_out = None
+    mlp_in = b.keep("MLP input (residual)", hidden)
     if not (te and "mlp" in recomputed) and not ("layernorm" in recomputed and not te):
         # TE keeps the norm output inside LayerNormLinear; a recomputed MLP's checkpoint keeps it as its input.
-        norm_out = b.keep("MLP norm output", hidden)
+        b.keep("MLP norm output", hidden)
     if "mlp" in recomputed:
         b.notes.append("mlp is recomputed: the dense MLP keeps only its input")
     else:
         b.keep("fc1 output", tokens * gate * model.ffn_hidden_size / t)
         b.keep("activation output", tokens * model.ffn_hidden_size / t)
-    _norm_point(b, "mlp_norm", norm_out, training, te_fused=te)
+    _norm_point(b, "mlp_norm", mlp_in, te, "the norm's saved input (the MLP input)", False)
 
 
 def routed_rows(model: ModelSpec, layout: ParallelLayout, training: TrainingSpec) -> int:
@@ -213,11 +228,12 @@ def _moe_mlp(b: _Builder, model: ModelSpec, layout: ParallelLayout, training: Tr
     recomputed = training.recomputed
     gate = 2 if model.swiglu else 1
     hidden = tokens * model.hidden_size / d
-    b.keep("MLP input (residual)", hidden)
-    norm_out = None
+    mlp_in = b.keep("MLP input (residual)", hidden)
     if "layernorm" not in recomputed:
-        norm_out = b.keep("MLP norm output (router input)", hidden)
-    _norm_point(b, "mlp_norm", None if te else norm_out, training, te_fused=False)
+        b.keep("MLP norm output (router input)", hidden)
+    what = "TENorm's saved input (the MLP input; the norm is not fused in a MoE layer)" if te else \
+        "the norm's saved input (the MLP input)"
+    _norm_point(b, "mlp_norm", mlp_in, False, what, te and layout.tp == 1)
     if "moe" in recomputed:
         b.nothing("expert_fc1", "recompute moe: the MoE layer is checkpointed, nothing is saved inside")
         b.nothing("moe_act", "recompute moe: the MoE layer is checkpointed, nothing is saved inside")
@@ -228,7 +244,8 @@ def _moe_mlp(b: _Builder, model: ModelSpec, layout: ParallelLayout, training: Tr
     permuted = b.keep("permuted tokens", rows * model.hidden_size)
     fc1 = b.keep("expert fc1 output", rows * gate * model.moe_ffn / etp)
     probs = b.keep("permuted probabilities (fp32)", rows, FP32)
-    b.point("expert_fc1", (permuted,), "permuted tokens, balanced routing (expected; GPU check pending)", False)
+    measured = te and t == 1 and etp == 1 and layout.ep == 1
+    b.point("expert_fc1", (permuted,), "permuted tokens (balanced routing)", measured)
     if "moe_act" in recomputed:
         b.point("moe_act", (fc1, probs), "recompute moe_act: the checkpoint keeps fc1's output as its input, "
                                          "and that moves; the activation output is not stored", False)
@@ -236,7 +253,7 @@ def _moe_mlp(b: _Builder, model: ModelSpec, layout: ParallelLayout, training: Tr
     else:
         b.keep("expert activation output", rows * model.moe_ffn / etp)
         b.point("moe_act", (fc1, probs), "expert fc1 output (the SwiGLU input)" if gate == 2
-                else "expert fc1 output (the activation input)", te and t == 1 and etp == 1 and layout.ep == 1)
+                else "expert fc1 output (the activation input)", measured)
     if model.moe_shared_expert_intermediate_size and "shared_experts" not in recomputed:
         shared = model.moe_shared_expert_intermediate_size
         b.keep("shared expert fc1 output", tokens * gate * shared / t)

@@ -5,16 +5,16 @@ Projected peak of rank ``r`` with set ``S`` (bytes)::
     static    = parameters on the rank x 2 x dtype bytes          (weights + grads, no optimizer state)
     logits    = T * V_padded / t * (dtype bytes + 4)              (last stage: logits and the fp32 copy
                                                                    the cross entropy makes)
-    act(none) = sum over in-flight chunk forwards, over their layers, of the layer's saved bytes + logits
-    act(S)    = act(none) - sum over the same layers, except the last layer of the most recent chunk forward,
-                of the bytes S offloads from that layer
+    act(none) = the largest candidate instant of the rank's schedule: the in-flight chunk forwards' saved
+                bytes plus the logits (forward end) or the first backward layer's working set
+    act(S)    = the largest instant less what S has off the device at it
 
-The second rule is what the runtime does: a layer's groups leave at the next layer boundary, and the last
-layer of the chunk that turns around first is still on the device when the peak is reached.
+:mod:`mcore_offload.plan.peak` holds the instants and what the runtime has off the device at each.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import Counter
 from collections.abc import Mapping
@@ -30,6 +30,7 @@ from mcore_offload.plan.hardware import (
     transfer_timing,
 )
 from mcore_offload.plan.model import ModelSpec, ParallelLayout, PlanError, TrainingSpec, validate
+from mcore_offload.plan.peak import RankTimeline, chunk_layers, rank_timeline
 from mcore_offload.plan.recommend import (
     MAX_EXPOSED,
     LayerCost,
@@ -86,6 +87,7 @@ class RankPlan:
     static_bytes: int
     logits_bytes: int
     activation_bytes: Mapping[str, int]  # set label -> projected activation peak (incl. logits)
+    peak_instants: Mapping[str, str]  # set label -> the instant that holds the peak
 
     def total_bytes(self, label: str) -> int:
         return self.static_bytes + self.activation_bytes[label]
@@ -101,6 +103,15 @@ class Plan:
     ranks: tuple[RankPlan, ...]
     recommendation: Recommendation
     warnings: tuple[str, ...]
+    timelines: tuple[RankTimeline, ...] = ()
+
+    def delta_peak(self, modules: tuple[str, ...] | list[str]) -> tuple[int, ...]:
+        """Per rank, how much offloading ``modules`` lowers the projected peak (any set, bytes)."""
+        return tuple(t.delta_peak(modules) for t in self.timelines)
+
+    def offloaded_per_step(self, modules: tuple[str, ...] | list[str]) -> tuple[dict[str, int], ...]:
+        """Per rank and point, the bytes ``modules`` copies to the host in one training step."""
+        return tuple(t.offloaded_per_step(modules) for t in self.timelines)
 
 
 def padded_vocab(model: ModelSpec, layout: ParallelLayout) -> int:
@@ -189,13 +200,20 @@ def build_plan(config: PlanConfig) -> Plan:
     statics = [_static_bytes(config, r, chunks, moe_layers) for r, chunks in enumerate(assignment)]
     vocab = padded_vocab(model, layout)
     tokens = training.seq_length * training.micro_batch_size
-    logits = [tokens * vocab // layout.tp * (training.dtype_bytes + 4) if r == layout.pp - 1 else 0
+    last = layout.pp - 1
+    logits = [tokens * vocab // layout.tp * (training.dtype_bytes + 4) if r == last else 0
               for r in range(layout.pp)]
-    baseline = [sum(layers[kind(layer)].total_bytes for layer in peak.resident) + logit
-                for peak, logit in zip(peaks, logits)]
+    timelines = tuple(
+        rank_timeline(r, layout.pp, [chunk_layers([layers[kind(i)] for i in rng]) for rng in chunks],
+                      training.num_microbatches, logits[r], tokens * vocab // layout.tp * 4 if r == last else 0)
+        for r, chunks in enumerate(assignment))
+    baseline = [t.baseline_bytes for t in timelines]
     target = None if config.memory_target_gib is None else int(config.memory_target_gib * GIB)
-    demands = [RankDemand(off, None if target is None else static + base - target)
-               for off, static, base in zip(offloaded, statics, baseline)]
+    subsets = [frozenset(c) for n in range(len(OFFLOAD_MODULES) + 1)
+               for c in itertools.combinations(OFFLOAD_MODULES, n)]
+    demands = [RankDemand(off, None if target is None else static + base - target,
+                          {s: t.delta_peak(s) for s in subsets})
+               for off, static, base, t in zip(offloaded, statics, baseline, timelines)]
     rec = recommend(costs, hw.link, demands, max_exposed=config.max_exposed)
 
     sets, freed = [], {}
@@ -211,11 +229,13 @@ def build_plan(config: PlanConfig) -> Plan:
         chunk_plans = tuple(ChunkPlan(c, rng, dict(Counter(kind(i) for i in rng)), peaks[r].forward_chunks.count(c))
                             for c, rng in enumerate(chunks))
         act = {s.label: baseline[r] - freed[s.label][r] for s in sets}
-        ranks.append(RankPlan(r, chunk_plans, peaks[r], offloaded[r], statics[r], logits[r], act))
+        where = {s.label: timelines[r].binding_instant(s.modules).label for s in sets}
+        ranks.append(RankPlan(r, chunk_plans, peaks[r], offloaded[r], statics[r], logits[r], act, where))
     warnings = _warnings(config, layers, sets, ranks, rec, target)
     for w in warnings:
         logger.debug("plan: %s", w)
-    return Plan(config, schedule_name(layout), layers, fwd, tuple(sets), tuple(ranks), rec, tuple(warnings))
+    return Plan(config, schedule_name(layout), layers, fwd, tuple(sets), tuple(ranks), rec, tuple(warnings),
+                timelines)
 
 
 def _warnings(config: PlanConfig, layers: Mapping[str, LayerActivations], sets: list[OffloadSet],
@@ -240,7 +260,7 @@ def _warnings(config: PlanConfig, layers: Mapping[str, LayerActivations], sets: 
         out.append("local spec: norm and unfused-attention estimates are not validated on a GPU")
     if model.num_experts:
         out.append("MoE bytes assume balanced routing: each rank's experts receive seq x mbs x topk / d x ETP rows; "
-                   "measured MoE peaks ran 10-21% above this projection (docs/plan.md)")
+                   "measured MoE peaks ran 10-16% above this projection (docs/plan.md)")
     if model.name == "deepseek-v3":
         out.append("deepseek-v3: multi-latent attention is modelled as standard attention (128 heads of 128)")
     if target is not None:

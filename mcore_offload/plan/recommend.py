@@ -35,10 +35,13 @@ class LayerCost:
 @dataclass(frozen=True)
 class RankDemand:
     """One rank: how many layers of each kind sit offloaded at its peak, and the bytes it must free
-    (``None`` without a memory target; zero or less when it already fits)."""
+    (``None`` without a memory target; zero or less when it already fits). ``freed``, when given, is the
+    peak reduction of each set (keyed by the set of point names), overriding layers x bytes per layer: the
+    planner's schedule model (:mod:`mcore_offload.plan.peak`) fills it in."""
 
     layers_at_peak: Mapping[str, int]
     bytes_to_free: int | None = None
+    freed: Mapping[frozenset[str], int] | None = None
 
 
 @dataclass(frozen=True)
@@ -72,8 +75,11 @@ def exposed_fraction(modules: Sequence[str], costs: Mapping[str, LayerCost], lin
 
 def freed_bytes(modules: Sequence[str], costs: Mapping[str, LayerCost],
                 demands: Sequence[RankDemand]) -> tuple[int, ...]:
-    """Per rank, the peak reduction: offloaded bytes over the layers that sit offloaded at its peak."""
-    return tuple(sum(n * costs[kind].set_bytes(modules) for kind, n in d.layers_at_peak.items() if kind in costs)
+    """Per rank, the peak reduction: ``freed`` where the demand has it, else offloaded bytes over the layers
+    that sit offloaded at its peak."""
+    key = frozenset(modules)
+    return tuple(d.freed[key] if d.freed is not None and key in d.freed else
+                 sum(n * costs[kind].set_bytes(modules) for kind, n in d.layers_at_peak.items() if kind in costs)
                  for d in demands)
 
 

@@ -149,6 +149,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
                         "kinds": dict(c.kinds), "in_flight": c.in_flight} for c in r.chunks],
             "in_flight_forwards": r.peak.in_flight,
             "offloaded_layers_at_peak": dict(r.offloaded_layers),
+            "peak_instant": dict(r.peak_instants),
             "static_bytes": r.static_bytes,
             "logits_bytes": r.logits_bytes,
             "activation_peak_bytes": dict(r.activation_bytes),

@@ -9,9 +9,9 @@ megatron-core 0.15 (``pipeline_parallel/schedules.py``):
   ``m * v``, then one more; forwards go ``p`` microbatches at a time through chunk 0, then chunk 1, ...
   (``microbatch_group_size_per_vp_stage`` defaults to ``p``).
 
-Offloading lowers the peak by the offloaded bytes of every in-flight chunk forward except the last layer of
-the most recent one (its groups are still on the device when the peak is reached). Validated on an H100 at
-PP = 1 exactly; on 2 x H200 at PP = 2, VPP = 2 exactly on rank 1 and within one layer on rank 0.
+A rank's whole step is :func:`pipeline_order` (megatron-core's ``get_schedule_table`` and
+``convert_schedule_table_to_order``): which chunk forward or backward runs when. :mod:`mcore_offload.plan.peak`
+reads from it what is off the device at each candidate peak and which chunks keep their last layer.
 """
 
 from __future__ import annotations
@@ -63,6 +63,46 @@ def layer_assignment(num_layers: int, layout: ParallelLayout) -> tuple[tuple[ran
             out[rank].append(range(start, start + n))
             start += n
     return tuple(tuple(chunks) for chunks in out)
+
+
+@dataclass(frozen=True)
+class Op:
+    """One chunk forward or backward of one microbatch, as a rank runs it."""
+
+    forward: bool
+    chunk: int
+    microbatch: int
+
+
+def schedule_table(num_microbatches: int, vpp: int, group_size: int) -> tuple[tuple[int, int], ...]:
+    """(microbatch, chunk) of each virtual microbatch: ``group_size`` microbatches at a time through chunk 0,
+    then chunk 1, ... (megatron-core's ``get_schedule_table``)."""
+    table: list[tuple[int, int]] = []
+    for start in range(0, num_microbatches, group_size):
+        stop = num_microbatches if start + group_size >= num_microbatches else start + group_size
+        table.extend((mb, chunk) for chunk in range(vpp) for mb in range(start, stop))
+    return tuple(table)
+
+
+def pipeline_order(pp: int, rank: int, vpp: int, num_microbatches: int) -> tuple[Op, ...]:
+    """Every chunk forward and backward of one step on ``rank``, in order: the warm-up forwards, then one
+    forward and one backward at a time, then the remaining backwards. Backward ``i`` runs the ``i``-th entry of
+    the schedule table with the chunk order reversed (the last chunk turns around first)."""
+    table = schedule_table(num_microbatches, vpp, max(pp, 1))
+    warm = warmup_forwards(pp, rank, vpp, num_microbatches)
+    forwards = [Op(True, chunk, mb) for mb, chunk in table]
+    backwards = [Op(False, vpp - 1 - chunk, mb) for mb, chunk in table]
+    order = forwards[:warm]
+    for i in range(warm, len(table)):
+        order += [forwards[i], backwards[i - warm]]
+    return tuple(order + backwards[len(table) - warm:])
+
+
+def kept_forwards(order: tuple[Op, ...]) -> frozenset[tuple[int, int]]:
+    """(chunk, microbatch) of the chunk forwards whose backward comes right after them: nothing flushes their
+    last layer's groups, so the runtime never copies them."""
+    return frozenset((a.chunk, a.microbatch) for a, b in zip(order, order[1:])
+                     if a.forward and not b.forward and (a.chunk, a.microbatch) == (b.chunk, b.microbatch))
 
 
 def warmup_forwards(pp: int, rank: int, vpp: int, num_microbatches: int) -> int:

@@ -1,0 +1,196 @@
+"""What the runtime offloads in one step, what is off the device at a rank's memory peak, and the peak.
+
+The runtime (docs/how-it-works.md) as the planner models it:
+
+* a chunk forward's groups leave the device at each layer boundary; those of its last layer leave when the
+  next chunk forward or backward starts, or never, when the chunk's own backward comes next
+  (:func:`~mcore_offload.plan.schedule.kept_forwards`: every microbatch at PP = 1, the last stage's last
+  chunk under 1F1B and interleaving);
+* in backward, a group's commit reloads the group and starts the reload of the previous group that holds
+  anything (``COMMIT_ORDER``, across the layers of the same chunk): one group of prefetch.
+
+Bytes per step: every chunk forward of the step offloads each of its layers' groups, except the last layer
+of a kept forward. A chunk's first layer moves less with ``qkv_linear``: its input is held elsewhere.
+
+A rank's memory peaks at one of two instants around a switch from a chunk forward ``F`` to a chunk backward
+``B`` in its schedule (every such switch is evaluated):
+
+* forward end: every in-flight chunk forward is resident, and on the loss chunk the logits with the cross
+  entropy's fp32 copy (``T V/t (dtype + 4)``); off the device: all their groups except ``F``'s last layer;
+* backward start, during the core-attention backward of ``B``'s last layer ``l``: the logits are gone and
+  the backward's working set is there (gradients and weight-gradient buffers, estimated as
+  ``BACKWARD_WORKING_SET`` x the saved bytes of ``l``); off the device: all groups (``F``'s last layer has
+  been flushed unless ``F`` is ``B``'s own forward, which kept it), less ``l``'s groups from ``core_attn`` on
+  in commit order (reloaded by now) and the one group prefetched before them.
+
+Projected activation peak without offloading: the largest instant. With a set ``S``: the largest instant less
+what ``S`` has off the device at it. Delta peak: the difference (tests/test_plan_validation.py holds the GPU
+measurements it is checked against).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from mcore_offload.config import OFFLOAD_MODULES
+from mcore_offload.plan.activations import LayerActivations
+from mcore_offload.plan.schedule import kept_forwards, pipeline_order
+
+#: Backward working set of the first layer a backward reaches, in units of that layer's saved activations.
+#: Calibrated on config B of benchmarks/results/issue4-h100-pp1 (8 layers of hidden 4096 against a 32000
+#: vocabulary: its offloaded peak falls in that backward, 30 MiB below the forward end); configs A, C and D
+#: peak at the forward end, which holds for any value from 1.12 to 2.19.
+BACKWARD_WORKING_SET = 1.2
+
+#: The order in which a layer's groups commit in forward (the norms commit after their residual add).
+COMMIT_ORDER: tuple[str, ...] = ("qkv_linear", "core_attn", "attn_proj", "attn_norm", "expert_fc1", "moe_act",
+                                 "mlp_norm")
+_RELOADED_FROM = COMMIT_ORDER.index("core_attn")
+
+FORWARD_END = "forward end"
+BACKWARD_START = "backward start"
+
+
+@dataclass(frozen=True)
+class Instant:
+    """A moment that can hold a rank's peak (see the module docstring)."""
+
+    kind: str  # FORWARD_END or BACKWARD_START
+    in_flight: tuple[int, ...]  # resident chunk forwards, per chunk
+    chunk: int  # forward end: the chunk that just ran forward; backward start: the chunk turning around
+    kept: bool  # backward start: that chunk's own forward ran just before, so its last layer never left
+    base_bytes: int  # activation bytes without offloading
+    where: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind} ({self.where})"
+
+
+@dataclass(frozen=True)
+class ChunkLayers:
+    """The layers of one model chunk on a rank: per layer, the bytes each point offloads, and saved bytes."""
+
+    point_bytes: tuple[Mapping[str, int], ...]
+    saved_bytes: tuple[int, ...]
+
+    def bytes(self, modules: Iterable[str], layer: int | None = None) -> int:
+        """Bytes ``modules`` offloads from one layer (``layer``) or from the whole chunk."""
+        layers = self.point_bytes if layer is None else (self.point_bytes[layer],)
+        return sum(lb[m] for lb in layers for m in modules)
+
+
+@dataclass(frozen=True)
+class RankTimeline:
+    """One pipeline rank's step as the runtime offloads it: see the module docstring."""
+
+    rank: int
+    chunks: tuple[ChunkLayers, ...]
+    num_microbatches: int
+    kept: tuple[int, ...]  # per chunk: forwards whose last layer is never copied
+    instants: tuple[Instant, ...]
+
+    @property
+    def baseline_bytes(self) -> int:
+        """Projected activation peak without offloading."""
+        return max(i.base_bytes for i in self.instants)
+
+    def offloaded_at(self, instant: Instant, modules: Iterable[str]) -> int:
+        """Bytes that set ``modules`` has off the device at ``instant``."""
+        mods = _canonical(modules)
+        total = sum(n * c.bytes(mods) for n, c in zip(instant.in_flight, self.chunks))
+        chunk = self.chunks[instant.chunk]
+        if instant.kind == FORWARD_END or instant.kept:
+            total -= chunk.bytes(mods, -1)
+        if instant.kind == BACKWARD_START:
+            total -= _reloaded(chunk, mods, instant.kept)
+        return total
+
+    def peak_bytes(self, modules: Iterable[str]) -> int:
+        """Projected activation peak with set ``modules``."""
+        mods = _canonical(modules)
+        return max(i.base_bytes - self.offloaded_at(i, mods) for i in self.instants)
+
+    def delta_peak(self, modules: Iterable[str]) -> int:
+        """How much set ``modules`` lowers the projected peak."""
+        return self.baseline_bytes - self.peak_bytes(modules)
+
+    def binding_instant(self, modules: Iterable[str]) -> Instant:
+        """The instant that holds the peak with set ``modules``."""
+        mods = _canonical(modules)
+        return max(self.instants, key=lambda i: i.base_bytes - self.offloaded_at(i, mods))
+
+    def offloaded_per_step(self, modules: Iterable[str]) -> dict[str, int]:
+        """Per point, the bytes set ``modules`` copies to the host in one step (all microbatches and layers)."""
+        out = {}
+        for m in _canonical(modules):
+            out[m] = sum(self.num_microbatches * c.bytes((m,)) - k * c.bytes((m,), -1)
+                         for c, k in zip(self.chunks, self.kept))
+        return out
+
+
+def _canonical(modules: Iterable[str]) -> tuple[str, ...]:
+    chosen = set(modules)
+    return tuple(m for m in OFFLOAD_MODULES if m in chosen)
+
+
+def _reloaded(chunk: ChunkLayers, modules: tuple[str, ...], kept: bool) -> int:
+    """Bytes of the chunk's last layer back on the device during its core-attention backward, plus the one
+    group prefetched before them (none of the last layer's if it was kept)."""
+    last = chunk.point_bytes[-1]
+    committed = [p for p in COMMIT_ORDER[_RELOADED_FROM:] if p in modules and last[p] > 0]
+    if not committed:
+        return 0
+    reloaded = 0 if kept else sum(last[p] for p in committed)
+    before = COMMIT_ORDER[:COMMIT_ORDER.index(committed[0])]
+    candidates = [] if kept else [last[p] for p in reversed(before) if p in modules]
+    for layer in reversed(chunk.point_bytes[:-1]):
+        candidates += [layer[p] for p in reversed(COMMIT_ORDER) if p in modules]
+    return reloaded + next((b for b in candidates if b > 0), 0)
+
+
+def chunk_layers(layers: Sequence[LayerActivations]) -> ChunkLayers:
+    """A model chunk made of ``layers`` (in order; the first one is the chunk's first layer)."""
+    return ChunkLayers(
+        tuple({m: acts.point_bytes(m, first=i == 0) for m in OFFLOAD_MODULES} for i, acts in enumerate(layers)),
+        tuple(acts.total_bytes for acts in layers))
+
+
+def rank_timeline(rank: int, pp: int, chunks: Sequence[ChunkLayers], num_microbatches: int, logits_bytes: int,
+                  loss_saved_bytes: int) -> RankTimeline:
+    """Walk rank ``rank``'s schedule and collect its candidate peak instants. ``logits_bytes``: what the loss
+    chunk holds at its forward end; ``loss_saved_bytes``: what an in-flight loss chunk keeps for backward
+    (both 0 off the last stage)."""
+    vpp = len(chunks)
+    order = pipeline_order(pp, rank, vpp, num_microbatches)
+    kept = kept_forwards(order)
+    loss_chunk = vpp - 1 if rank == pp - 1 and logits_bytes else None
+    saved = [sum(c.saved_bytes) for c in chunks]
+    in_flight = [0] * vpp
+    instants: dict[tuple, Instant] = {}
+    for prev, op in zip((None, *order), order):
+        if op.forward:
+            in_flight[op.chunk] += 1
+            continue
+        if prev is not None and prev.forward:
+            resident = sum(n * s for n, s in zip(in_flight, saved))
+            losses = in_flight[loss_chunk] if loss_chunk is not None else 0
+            own = (prev.chunk, prev.microbatch) == (op.chunk, op.microbatch)
+            fwd_loss = prev.chunk == loss_chunk
+            bwd_loss = op.chunk == loss_chunk
+            work = int(BACKWARD_WORKING_SET * chunks[op.chunk].saved_bytes[-1])
+            candidates = (
+                Instant(FORWARD_END, tuple(in_flight), prev.chunk, own,
+                        resident + (logits_bytes if fwd_loss else 0) + (losses - fwd_loss) * loss_saved_bytes,
+                        f"chunk {prev.chunk} microbatch {prev.microbatch}"),
+                Instant(BACKWARD_START, tuple(in_flight), op.chunk, own,
+                        resident + work + (losses - bwd_loss) * loss_saved_bytes,
+                        f"chunk {op.chunk} microbatch {op.microbatch}"),
+            )
+            for inst in candidates:
+                key = (inst.kind, inst.in_flight, inst.chunk, inst.kept, inst.base_bytes)
+                instants.setdefault(key, inst)
+        in_flight[op.chunk] -= 1
+    kept_per_chunk = tuple(sum(1 for c, _ in kept if c == chunk) for chunk in range(vpp))
+    return RankTimeline(rank, tuple(chunks), num_microbatches, kept_per_chunk, tuple(instants.values()))
