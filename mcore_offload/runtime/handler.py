@@ -167,10 +167,9 @@ class ChunkOffloadHandler(HandlerBase):
             return "tensor subclass or layout"
         if t.device != self.device:
             return "other device"
-        storage = t.untyped_storage()
         # The threshold applies to the storage: grouped GEMMs save one small view per expert of a
         # single large buffer, and it is the buffer that moves.
-        if storage.nbytes() < self.min_numel * t.element_size():
+        if t.untyped_storage().nbytes() < self.min_numel * t.element_size():
             return "under min_offloaded_tensor_size"
         if t.is_conj() or t.is_neg():
             return "lazy conj/neg view"
@@ -182,7 +181,7 @@ class ChunkOffloadHandler(HandlerBase):
             return "marked not offloadable"
         # Views of parameters are recognised by their storage: inside a custom autograd Function a view
         # of an activation can report a leaf ``_base`` (TE's grouped GEMM splits did), so ``_base`` is no test.
-        if storage.data_ptr() in self.not_offloadable:
+        if t.untyped_storage().data_ptr() in self.not_offloadable:
             return "parameter or main_grad storage"
         return None
 
@@ -265,8 +264,8 @@ class ChunkOffloadHandler(HandlerBase):
             to_copy.append((ptr, st, refs))
         if not to_copy:
             return
-        hosts, event = self.transport.to_host([st for _, st, _ in to_copy], [refs[0].tensor for _, _, refs in to_copy])
-        for (ptr, st, refs), host in zip(to_copy, hosts):
+        copies = self.transport.to_host([st for _, st, _ in to_copy])
+        for (ptr, st, refs), (host, event) in zip(to_copy, copies):
             entry = Entry(point=refs[0].group.name, nbytes=st.nbytes(), host=host, d2h_event=event)
             entry.storage_ref = weakref.ref(st, self._released_callback(ptr, entry))
             self.live[ptr] = entry
@@ -309,12 +308,9 @@ class ChunkOffloadHandler(HandlerBase):
                 self.manager.on_kept(g)
             self.pending = []
         self._reload(group.entries)
-        waited: set[int] = set()
         for entry in group.entries:
             if not entry.compute_waited:
-                if id(entry.h2d_event) not in waited:  # one wait per batch event
-                    waited.add(id(entry.h2d_event))
-                    self.transport.wait(entry.h2d_event)
+                self.transport.wait(entry.h2d_event)
                 entry.compute_waited = True
         idx = self.groups.index(group) if group in self.groups else 0
         for prev in reversed(self.groups[:idx]):
@@ -328,15 +324,13 @@ class ChunkOffloadHandler(HandlerBase):
         self._reload(group_to_reload.entries)
 
     def _reload(self, entries: list[Entry]) -> None:
-        todo = [e for e in entries if e.device_storage is None and e.host is not None]
-        if not todo:
-            return
-        storages, event = self.transport.to_device([e.host for e in todo], [e.d2h_event for e in todo],
-                                                   self.device)
-        for entry, storage in zip(todo, storages):
-            entry.device_storage, entry.h2d_event = storage, event
-            entry.compute_waited = False
-            self.manager.on_reloaded(entry)
+        for entry in entries:
+            if entry.device_storage is None and entry.host is not None:
+                entry.device_storage, entry.h2d_event = self.transport.to_device(
+                    entry.host, entry.d2h_event, self.device
+                )
+                entry.compute_waited = False
+                self.manager.on_reloaded(entry)
 
     def on_group_backward_done(self, group: Group) -> None:
         """The group's whole backward ran: its device copies can go."""

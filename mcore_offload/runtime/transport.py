@@ -15,6 +15,13 @@ import torch
 logger = logging.getLogger(__name__)
 
 
+def storage_bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A flat ``uint8`` tensor over a whole storage (no copy)."""
+    flat = torch.empty(0, dtype=torch.uint8, device=storage.device)
+    flat.set_(storage, 0, (storage.nbytes(),), (1,))
+    return flat
+
+
 class HostBufferPool:
     """Host buffers reused by exact size; pinned when the device is CUDA.
 
@@ -44,38 +51,25 @@ class HostBufferPool:
 
 
 class Transport:
-    """Synchronous copies for CPU tensors (tests); subclassed for CUDA.
-
-    Both directions work on batches (one offload flush, one group's reload plus its prefetch), so the
-    per-batch costs (stream switch, cross-stream wait, event) are paid once per batch, not per storage.
-    """
+    """Synchronous copies for CPU tensors (tests); subclassed for CUDA."""
 
     def __init__(self) -> None:
         self.pool = HostBufferPool(pin=False)
 
-    def to_host(self, storages: list[torch.UntypedStorage], keep_alive: list[torch.Tensor]) -> tuple[list, object]:
-        """Copy each storage into a host buffer; return the buffers and one event for all the copies.
-
-        ``keep_alive`` holds one tensor per storage: the allocator must not reuse its block before the copy.
-        """
-        bufs = []
+    def to_host(self, storages: list[torch.UntypedStorage]) -> list[tuple[torch.Tensor, object]]:
+        """Copy each storage into a host buffer; return (buffer, done_event) pairs."""
+        out = []
         for storage in storages:
             buf, _ = self.pool.acquire(storage.nbytes())
-            buf.untyped_storage().copy_(storage)
-            bufs.append(buf)
-        return bufs, None
+            buf.copy_(storage_bytes_view(storage))
+            out.append((buf, None))
+        return out
 
-    def to_device(self, hosts: list[torch.Tensor], after: list[object], device: torch.device):
-        """Copy host buffers back into fresh device storages; return them and one event for all the copies.
-
-        ``after``: the D2H events these reads must follow.
-        """
-        out = []
-        for host in hosts:
-            st = torch.UntypedStorage(host.numel(), device=device)
-            st.copy_(host.untyped_storage())
-            out.append(st)
-        return out, None
+    def to_device(self, host: torch.Tensor, d2h_event: object, device: torch.device):
+        """Copy a host buffer back into fresh device storage; return (storage, done_event)."""
+        dev = torch.empty(host.numel(), dtype=torch.uint8, device=device)
+        dev.copy_(host)
+        return dev.untyped_storage(), None
 
     def wait(self, event: object) -> None:
         """Make the current (compute) stream wait for ``event``."""
@@ -96,50 +90,39 @@ class CudaTransport(Transport):
         self.d2h_stream = torch.cuda.Stream(device=device)
         self.h2d_stream = torch.cuda.Stream(device=device)
 
-    def _switch(self, stream: torch.cuda.Stream) -> torch.cuda.Stream:
-        """Make ``stream`` current; return the compute stream it replaces (cheaper than the context manager)."""
+    def to_host(self, storages):
         compute = torch.cuda.current_stream(self.device)
-        torch.cuda.set_stream(stream)
-        return compute
-
-    def to_host(self, storages, keep_alive):
-        compute = self._switch(self.d2h_stream)
-        try:
-            # The saved tensors were produced on the compute stream: copy only after it reached this point.
-            self.d2h_stream.wait_stream(compute)
-            bufs, waited = [], set()
-            for storage, user in zip(storages, keep_alive):
+        # The saved tensors were produced on the compute stream: copy only after it reached this point.
+        self.d2h_stream.wait_stream(compute)
+        out = []
+        with torch.cuda.stream(self.d2h_stream):
+            for storage in storages:
                 buf, reuse_event = self.pool.acquire(storage.nbytes())
-                if reuse_event is not None and id(reuse_event) not in waited:
+                if reuse_event is not None:
                     # The buffer's previous H2D must have read it before we overwrite it.
-                    waited.add(id(reuse_event))
                     self.d2h_stream.wait_event(reuse_event)
-                buf.untyped_storage().copy_(storage, non_blocking=True)
+                src = storage_bytes_view(storage)
+                buf.copy_(src, non_blocking=True)
                 # The caching allocator must not hand this block out before the copy has read it.
-                user.record_stream(self.d2h_stream)
-                bufs.append(buf)
+                src.record_stream(self.d2h_stream)
+                out.append(buf)
             done = torch.cuda.Event()
             done.record(self.d2h_stream)
-        finally:
-            torch.cuda.set_stream(compute)
-        return bufs, done
+        return [(buf, done) for buf in out]
 
-    def to_device(self, hosts, after, device):
-        # Allocated on the compute stream, which is the stream that consumes and later frees them.
-        out = [torch.UntypedStorage(host.numel(), device=device) for host in hosts]
-        compute = self._switch(self.h2d_stream)
-        try:
-            self.h2d_stream.wait_stream(compute)
-            for event in {id(e): e for e in after if e is not None}.values():
+    def to_device(self, host, d2h_event, device):
+        compute = torch.cuda.current_stream(self.device)
+        # Allocated on the compute stream, which is the stream that consumes and later frees it.
+        dev = torch.empty(host.numel(), dtype=torch.uint8, device=device)
+        self.h2d_stream.wait_stream(compute)
+        with torch.cuda.stream(self.h2d_stream):
+            if d2h_event is not None:
                 # A reload reads the host copy: its own D2H must have finished (upstream bug #7398).
-                self.h2d_stream.wait_event(event)
-            for st, host in zip(out, hosts):
-                st.copy_(host.untyped_storage(), non_blocking=True)
+                self.h2d_stream.wait_event(d2h_event)
+            dev.copy_(host, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.h2d_stream)
-        finally:
-            torch.cuda.set_stream(compute)
-        return out, done
+        return dev.untyped_storage(), done
 
     def wait(self, event):
         if event is not None:
