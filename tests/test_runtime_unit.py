@@ -289,3 +289,22 @@ def test_pinned_buffers_are_allocated_in_the_first_step_only():
         train_step(model, [torch.randn(8, 16, generator=torch.Generator().manual_seed(step)) for _ in range(2)])
     counts = [s.host_buffer_allocations for s in get_summary().steps]
     assert counts[0] > 0 and counts[1:] == [0, 0]
+
+
+def test_interrupt_mid_step_releases_everything():
+    """Ctrl-C inside a forward (KeyboardInterrupt is not an Exception) leaves no handler and no host bytes."""
+    model = Toy(cfg("qkv_linear", "core_attn"))
+
+    @points.step_boundary
+    def interrupted_step(x):
+        model(x).backward()
+        model(x)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        interrupted_step(torch.randn(8, 16))
+    manager = get_manager()
+    assert not manager.handlers and manager.forward_handler is None
+    assert get_summary().last_step.aborted and get_summary().host_resident_bytes == 0
+    train_step(model, [torch.randn(8, 16)])
+    assert get_summary().last_step.total("offloaded") > 0 and not get_summary().last_step.aborted
