@@ -83,6 +83,22 @@ def validate_offload_config(config: Any) -> None:
             "offloading) cannot be enabled together; set cpu_offloading=False."
         )
 
+    if getattr(config, "recompute_granularity", None) == "full":
+        raise ValueError(
+            "fine_grained_activation_offloading has nothing to offload with recompute_granularity='full' "
+            "(every layer's forward runs without saving activations, and recompute in backward is never "
+            "offloaded); use recompute_granularity='selective' or turn offloading off."
+        )
+    graphs = [f for f in ("enable_cuda_graph", "external_cuda_graph") if getattr(config, f, False)]
+    if getattr(config, "cuda_graph_impl", "none") not in (None, "none"):
+        graphs.append(f"cuda_graph_impl={config.cuda_graph_impl!r}")
+    if graphs:
+        raise ValueError(
+            f"fine_grained_activation_offloading cannot be combined with CUDA graphs ({', '.join(graphs)}): "
+            "a replayed graph skips the saved-tensor hooks that track each offloaded tensor; "
+            "disable CUDA graphs or offloading."
+        )
+
     # A config patch without the offload-point patches would silently offload nothing.
     from mcore_offload.patching.sites import ensure_patched
 

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 
@@ -48,6 +49,9 @@ def test_fields_have_upstream_names_types_and_defaults():
         (dict(offload_modules=["core_attn"], min_offloaded_tensor_size=-1),
          r"min_offloaded_tensor_size must be a non-negative number"),
         (dict(offload_modules="core_attn"), r"must be a list of names.*offload_modules=\['core_attn'\]"),
+        (dict(offload_modules=["core_attn"], recompute_granularity="full", recompute_method="uniform",
+              recompute_num_layers=1),
+         r"nothing to offload with recompute_granularity='full'.*use recompute_granularity='selective'"),
     ],
 )
 def test_each_validation_error(kwargs, message):
@@ -67,6 +71,16 @@ def test_validator_accepts_plain_objects():
         min_offloaded_tensor_size = 0
 
     validate_offload_config(Cfg())
+
+
+@pytest.mark.parametrize("graphs", [dict(enable_cuda_graph=True), dict(external_cuda_graph=True),
+                                    dict(cuda_graph_impl="local")])
+def test_cuda_graphs_are_refused(graphs):
+    # Checked on a plain object: megatron-core's own CUDA-graph checks need a GPU build of TE.
+    cfg = SimpleNamespace(fine_grained_activation_offloading=True, offload_modules=["core_attn"],
+                          min_offloaded_tensor_size=0, **graphs)
+    with pytest.raises(ValueError, match=r"cannot be combined with CUDA graphs .*disable CUDA graphs or offloading"):
+        validate_offload_config(cfg)
 
 
 def _run_with_megatron(root, code: str) -> subprocess.CompletedProcess:
