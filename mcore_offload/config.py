@@ -47,6 +47,22 @@ def validate_offload_modules(modules: Sequence[str]) -> list[str]:
     return names
 
 
+def _full_recompute_of_every_layer(config: Any) -> bool:
+    """Whether megatron's full recompute checkpoints every layer of every model chunk."""
+    if getattr(config, "recompute_granularity", None) != "full":
+        return False
+    method = getattr(config, "recompute_method", None)
+    if method == "uniform":
+        return True
+    if method != "block" or getattr(config, "num_layers_in_first_pipeline_stage", None) is not None \
+            or getattr(config, "num_layers_in_last_pipeline_stage", None) is not None:
+        return False  # uneven stages: some chunk may run layers without recompute
+    chunks = (getattr(config, "pipeline_model_parallel_size", 1) or 1) * (
+        getattr(config, "virtual_pipeline_model_parallel_size", None) or 1)
+    per_chunk = -(-int(config.num_layers) // chunks)
+    return int(getattr(config, "recompute_num_layers", 0) or 0) >= per_chunk
+
+
 def validate_offload_config(config: Any) -> None:
     """Check the offload fields of a megatron-core ``TransformerConfig``; raise one actionable ``ValueError``.
 
@@ -83,11 +99,12 @@ def validate_offload_config(config: Any) -> None:
             "offloading) cannot be enabled together; set cpu_offloading=False."
         )
 
-    if getattr(config, "recompute_granularity", None) == "full":
+    if _full_recompute_of_every_layer(config):
         raise ValueError(
-            "fine_grained_activation_offloading has nothing to offload with recompute_granularity='full' "
-            "(every layer's forward runs without saving activations, and recompute in backward is never "
-            "offloaded); use recompute_granularity='selective' or turn offloading off."
+            "fine_grained_activation_offloading has nothing to offload when full recompute covers every layer "
+            f"(recompute_granularity='full', recompute_method={config.recompute_method!r}: no layer's forward "
+            "saves activations, and recompute in backward is never offloaded); use selective recompute, "
+            "recompute_method='block' with fewer layers, or turn offloading off."
         )
     graphs = [f for f in ("enable_cuda_graph", "external_cuda_graph") if getattr(config, f, False)]
     if getattr(config, "cuda_graph_impl", "none") not in (None, "none"):

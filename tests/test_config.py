@@ -51,12 +51,22 @@ def test_fields_have_upstream_names_types_and_defaults():
         (dict(offload_modules="core_attn"), r"must be a list of names.*offload_modules=\['core_attn'\]"),
         (dict(offload_modules=["core_attn"], recompute_granularity="full", recompute_method="uniform",
               recompute_num_layers=1),
-         r"nothing to offload with recompute_granularity='full'.*use recompute_granularity='selective'"),
+         r"nothing to offload when full recompute covers every layer.*recompute_method='uniform'.*use selective"),
+        (dict(offload_modules=["core_attn"], recompute_granularity="full", recompute_method="block",
+              recompute_num_layers=2),
+         r"nothing to offload when full recompute covers every layer"),
     ],
 )
 def test_each_validation_error(kwargs, message):
     with pytest.raises(ValueError, match=message):
         make_config(fine_grained_activation_offloading=True, **kwargs)
+
+
+def test_block_recompute_of_some_layers_is_accepted():
+    # The layers beyond recompute_num_layers run normally and save activations that can move.
+    cfg = make_config(fine_grained_activation_offloading=True, offload_modules=["core_attn"],
+                      recompute_granularity="full", recompute_method="block", recompute_num_layers=1)
+    assert cfg.recompute_num_layers == 1
 
 
 def test_unknown_module_is_an_error_even_when_disabled():
