@@ -69,6 +69,16 @@ CONFIGS: dict[str, Config] = {
     "D-moe": Config(f"{MOE_C} {PP1} --num-microbatches 8 --pipeline-model-parallel-size 2 "
                     "--virtual-pipeline-model-parallel-size 2", [EXPERTS, ATTN + EXPERTS], nproc=2,
                     description="C's model at PP=2 x VPP=2, 8 microbatches, 2 GPUs"),
+    # Issue-6 layouts (compatibility): loss equality and lower peaks with TP+SP, EP (alltoall), PP x VPP x TP.
+    "E-tp2sp": Config(f"{DENSE_A} {PP1} --num-microbatches 4 --tensor-model-parallel-size 2 --sequence-parallel",
+                      [["core_attn"], ATTN], nproc=2, description="A's model at TP=2 with sequence parallel, 2 GPUs"),
+    "E-ep2": Config(f"{MOE_C} {PP1} --num-microbatches 4 --expert-model-parallel-size 2 "
+                    "--moe-token-dispatcher-type alltoall", [EXPERTS, ATTN + EXPERTS], nproc=2,
+                    description="C's model at EP=2 (alltoall dispatcher), 2 GPUs"),
+    "E-pp2vpp2tp2": Config(f"{DENSE_A} {PP1} --num-microbatches 8 --pipeline-model-parallel-size 2 "
+                           "--virtual-pipeline-model-parallel-size 2 --tensor-model-parallel-size 2 "
+                           "--sequence-parallel",
+                           [["core_attn"], ATTN], nproc=4, description="A's model at PP=2 x VPP=2 x TP=2 (SP), 4 GPUs"),
     "tiny-dense": Config(TINY, [["core_attn"], ATTN], cpu=True, description="CPU smoke: tiny dense, local spec"),
     "tiny-moe": Config(f"{TINY} --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 64", [EXPERTS],
                        cpu=True, description="CPU smoke: tiny MoE, local spec"),
@@ -191,9 +201,19 @@ def rows_for(runs: list[Run], hardware: dict) -> list[dict]:
                                              r.get("offload", {}).get("last_step", {}).items()},
                 "native_offload_bytes_by_point": r.get("native_offload_bytes_by_point"),
                 "pinned_allocations": r.get("offload", {}).get("host_buffer_allocations"),
+                "pinned_allocations_per_step": r.get("offload", {}).get("host_buffer_allocations_per_step"),
+                # after-step allocated memory against the baseline's, step by step (issue 6: leaks)
+                "allocated_after_step_max_abs_diff_bytes": _max_abs_diff(
+                    r.get("allocated_after_step"), b.get("allocated_after_step") if b else None),
                 "hardware": hardware, "versions": r["versions"], "run": run.name,
             })
     return rows
+
+
+def _max_abs_diff(a: list | None, b: list | None) -> int | None:
+    if not a or not b or len(a) != len(b) or any(x is None for x in a + b):
+        return None
+    return max(abs(x - y) for x, y in zip(a, b))
 
 
 def _fmt(x, scale=1.0, digits=1) -> str:

@@ -55,6 +55,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--bf16", action="store_true")
     a("--recompute-granularity", default=None, choices=["full", "selective"])
     a("--recompute-modules", nargs="*", default=None)
+    a("--fp8", default=None, choices=["e4m3", "hybrid"], help="TransformerEngine FP8 (GPU)")
+    a("--fp8-recipe", default="delayed", choices=["delayed", "tensorwise", "mxfp8", "blockwise"])
+    a("--attention-backend", default="auto", choices=["auto", "flash", "fused", "unfused", "local"],
+      help="TE attention backend, as in Megatron-LM (sets NVTE_FLASH_ATTN / NVTE_FUSED_ATTN)")
+    a("--eval-interval", type=int, default=0, help="every K training steps run a forward-only evaluation")
+    a("--eval-iters", type=int, default=2, help="microbatches per evaluation")
     a("--fine-grained-activation-offloading", action="store_true")
     a("--offload-modules", nargs="*", default=[])
     a("--min-offloaded-tensor-size", type=int, default=1024 * 1024)
@@ -121,6 +127,12 @@ def build_config(args):
         recompute_granularity=args.recompute_granularity, recompute_modules=args.recompute_modules,
         transformer_impl=args.transformer_impl,
     )
+    if args.fp8:
+        kw.update(fp8=args.fp8, fp8_recipe=args.fp8_recipe)
+    if args.attention_backend != "auto":
+        from megatron.core.transformer.enums import AttnBackend
+
+        kw.update(attention_backend=AttnBackend[args.attention_backend])
     if args.pipeline_model_parallel_size > 1 and args.virtual_pipeline_model_parallel_size:
         kw.update(overlap_p2p_comm=True, batch_p2p_comm=False)
     if args.num_experts:
@@ -176,6 +188,25 @@ def batches(args, step: int, device):
             "loss_mask": torch.ones(args.micro_batch_size, args.seq_length, device=device),
         })
     return out
+
+
+def evaluate(args, chunks, fb, step: int):
+    """A forward-only pass in eval mode, as Megatron-LM's evaluate() runs it; returns the mean loss (last stage)."""
+    from megatron.core import parallel_state
+
+    for c in chunks:
+        c.eval()
+    data = batches(args, 10_000 + step, next(chunks[0].parameters()).device)[: args.eval_iters]
+    iters = [iter(data) for _ in chunks] if len(chunks) > 1 else iter(data)
+    with torch.no_grad():
+        out = fb(forward_step_func=forward_step, data_iterator=iters, model=chunks if len(chunks) > 1 else chunks[0],
+                 num_microbatches=len(data), seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+                 forward_only=True)
+    for c in chunks:
+        c.train()
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True) or not out:
+        return None
+    return torch.stack([o["lm loss"] for o in out]).mean().item()
 
 
 def loss_func(loss_mask, output_tensor):
@@ -296,6 +327,10 @@ def main(argv=None) -> int:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
         torch.use_deterministic_algorithms(True, warn_only=True)
+    if args.attention_backend in ("flash", "fused", "unfused"):
+        # What Megatron-LM does for --attention-backend: TE picks its backend from these variables.
+        os.environ["NVTE_FLASH_ATTN"] = "1" if args.attention_backend == "flash" else "0"
+        os.environ["NVTE_FUSED_ATTN"] = "1" if args.attention_backend == "fused" else "0"
     device = init_distributed(args)
     rank, world = dist.get_rank(), dist.get_world_size()
     import megatron.core as mc
@@ -317,7 +352,7 @@ def main(argv=None) -> int:
         logging.getLogger("mcore_offload").setLevel(logging.DEBUG)
     cuda = device.type == "cuda"
     ours = args.fine_grained_activation_offloading and mc.__version__.startswith("0.15")
-    losses, step_ms = [], []
+    losses, step_ms, allocated_after, eval_losses = [], [], [], []
     peak_step1, at_peak = None, None
     prof = None
     if args.profile_steps:
@@ -362,6 +397,9 @@ def main(argv=None) -> int:
         else:
             loss = None
         losses.append(loss)
+        allocated_after.append(torch.cuda.memory_allocated() if cuda else None)
+        if args.eval_interval and (step + 1) % args.eval_interval == 0:
+            eval_losses.append(evaluate(args, chunks, fb, step))
         if rank == 0 and step % args.log_interval == 0 or (loss is not None and rank == world - 1
                                                             and step % args.log_interval == 0):
             logger.info("rank %d step %d/%d loss %s step %.1f ms peak %.2f GiB", rank, step + 1,
@@ -374,6 +412,7 @@ def main(argv=None) -> int:
         "step_ms": step_ms, "step_ms_median": statistics.median(timed), "timed_steps": len(timed),
         "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
         "peak_bytes_step1": peak_step1,
+        "allocated_after_step": allocated_after, "eval_losses": eval_losses,
         "versions": versions(),
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "memory_timeline_MiB": [(w, round(b / 2**20, 1)) for w, b in TIMELINE or []],

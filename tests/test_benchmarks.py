@@ -111,3 +111,24 @@ def test_trace_analysis_splits_compute_idle_into_cpu_bound_and_gpu_wait():
     assert cs["cpu_bound_ms"] == pytest.approx(0.05) and cs["gpu_wait_ms"] == pytest.approx(0.15)
     assert out["copies"]["DtoH"]["GBps"] == pytest.approx(55.0)
     assert out["annotations"]["mcore_offload.x"] == {"count": 1, "ms": 2.0}
+
+
+@pytest.mark.multiproc
+def test_pretrain_gpt_evaluation_between_steps_offloads_nothing(tmp_path):
+    """--eval-interval 1: a forward-only evaluation after every step; training still offloads and matches."""
+    out = {}
+    for name, extra in (("base", []), ("ours", ["--fine-grained-activation-offloading", "--offload-modules",
+                                                 "qkv_linear", "core_attn", "attn_proj"])):
+        js = tmp_path / f"{name}.json"
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", "29631",
+             str(ROOT / "benchmarks" / "cpu_launch.py"), *peak_memory.TINY.split(), "--train-iters", "3",
+             "--eval-interval", "1", "--eval-iters", "2", "--json-out", str(js), *extra],
+            capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out[name] = json.loads(js.read_text())["ranks"][0]
+    assert out["ours"]["loss_hex"] == out["base"]["loss_hex"]
+    assert len(out["ours"]["eval_losses"]) == 3 and out["ours"]["eval_losses"] == out["base"]["eval_losses"]
+    offload = out["ours"]["offload"]
+    assert offload["steps"] == 3  # one record per training step; evaluations left no activity
+    assert offload["host_resident_bytes"] == 0 and offload["last_step"]["core_attn"]["offloaded"] > 0
