@@ -245,8 +245,8 @@ def _label(r: dict) -> str:
     return f"{r['impl']}: {' '.join(r['offload_modules'])}"
 
 
-def plot(rows: list[dict], path: Path) -> bool:
-    """Per-rank peak memory, one panel per configuration: baseline / ours / native bars."""
+def pyplot():
+    """matplotlib's pyplot on the non-interactive backend, or None (logged) when matplotlib is missing."""
     try:
         import matplotlib
 
@@ -254,6 +254,14 @@ def plot(rows: list[dict], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         logger.warning("matplotlib is not installed: no plot written (pip install matplotlib)")
+        return None
+    return plt
+
+
+def plot(rows: list[dict], path: Path) -> bool:
+    """Per-rank peak memory, one panel per configuration: baseline / ours / native bars."""
+    plt = pyplot()
+    if plt is None:
         return False
     ok = [r for r in rows if not r.get("failed") and r["peak_bytes"] is not None]
     configs = list(dict.fromkeys(r["config"] for r in ok))

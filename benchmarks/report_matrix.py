@@ -55,13 +55,8 @@ def summary(rows: list[dict]) -> str:
 
 
 def overhead_plot(rows: list[dict], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.warning("matplotlib is not installed: no plot written (pip install matplotlib)")
+    plt = peak_memory.pyplot()
+    if plt is None:
         return False
     cases: dict[str, dict[str, float]] = {}
     for r in rows:
