@@ -190,6 +190,19 @@ def batches(args, step: int, device):
     return out
 
 
+def run_schedule(args, chunks, fb, data: list[dict], forward_only: bool):
+    """One call of megatron-core's schedule over ``data`` (one iterator per model chunk)."""
+    iters = [iter(data) for _ in chunks] if len(chunks) > 1 else iter(data)
+    return fb(forward_step_func=forward_step, data_iterator=iters, model=chunks if len(chunks) > 1 else chunks[0],
+              num_microbatches=len(data), seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+              forward_only=forward_only)
+
+
+def mean_loss(out) -> float | None:
+    """The mean of the microbatch losses the schedule returned (None where it returned none)."""
+    return torch.stack([o["lm loss"] for o in out]).mean().item() if out else None
+
+
 def evaluate(args, chunks, fb, step: int):
     """A forward-only pass in eval mode, as Megatron-LM's evaluate() runs it; returns the mean loss (last stage)."""
     from megatron.core import parallel_state
@@ -197,16 +210,11 @@ def evaluate(args, chunks, fb, step: int):
     for c in chunks:
         c.eval()
     data = batches(args, 10_000 + step, next(chunks[0].parameters()).device)[: args.eval_iters]
-    iters = [iter(data) for _ in chunks] if len(chunks) > 1 else iter(data)
     with torch.no_grad():
-        out = fb(forward_step_func=forward_step, data_iterator=iters, model=chunks if len(chunks) > 1 else chunks[0],
-                 num_microbatches=len(data), seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-                 forward_only=True)
+        out = run_schedule(args, chunks, fb, data, forward_only=True)
     for c in chunks:
         c.train()
-    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True) or not out:
-        return None
-    return torch.stack([o["lm loss"] for o in out]).mean().item()
+    return mean_loss(out) if parallel_state.is_pipeline_last_stage(ignore_virtual=True) else None
 
 
 def loss_func(loss_mask, output_tensor):
@@ -371,14 +379,11 @@ def main(argv=None) -> int:
 
                 get_summary().track_peak(peak_reader(device))
         data = batches(args, step, device)
-        iters = [iter(data) for _ in chunks] if len(chunks) > 1 else iter(data)
         opt.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = fb(forward_step_func=forward_step, data_iterator=iters,
-                 model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=args.num_microbatches,
-                 seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, forward_only=False)
+        out = run_schedule(args, chunks, fb, data, forward_only=False)
         opt.step()
         if cuda:
             torch.cuda.synchronize()
@@ -393,7 +398,8 @@ def main(argv=None) -> int:
                 get_summary().stop_tracking_peak()
                 at_peak = get_summary().off_device_at_peak_bytes
         if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-            loss = torch.stack([o["lm loss"] for o in out]).mean().item() if out else float("nan")
+            loss = mean_loss(out)
+            loss = float("nan") if loss is None else loss
         else:
             loss = None
         losses.append(loss)
