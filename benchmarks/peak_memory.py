@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -200,6 +201,11 @@ def rows_for(runs: list[Run], hardware: dict) -> list[dict]:
                 "offloaded_bytes_by_point": {k: v["offloaded"] for k, v in
                                              r.get("offload", {}).get("last_step", {}).items()},
                 "native_offload_bytes_by_point": r.get("native_offload_bytes_by_point"),
+                # issue 5 telemetry, medians over the timed steps (ours only): compute-stream wait on reloads,
+                # link throughput during copy bursts, host time inside the runtime, and GC time (all runs)
+                "stall_ms": r.get("stall_ms"), "d2h_GBps": r.get("d2h_GBps"), "h2d_GBps": r.get("h2d_GBps"),
+                "runtime_cpu_ms": r.get("runtime_cpu_ms"),
+                "gc_ms": statistics.median(r["gc_ms"][args_warmup(r):]) if r.get("gc_ms") else None,
                 "pinned_allocations": r.get("offload", {}).get("host_buffer_allocations"),
                 "pinned_allocations_per_step": r.get("offload", {}).get("host_buffer_allocations_per_step"),
                 # after-step allocated memory against the baseline's, step by step (issue 6: leaks)
@@ -208,6 +214,11 @@ def rows_for(runs: list[Run], hardware: dict) -> list[dict]:
                 "hardware": hardware, "versions": r["versions"], "run": run.name,
             })
     return rows
+
+
+def args_warmup(result_rank: dict) -> int:
+    """How many leading steps a run left out of its median (the timed ones are the rest)."""
+    return len(result_rank["step_ms"]) - result_rank.get("timed_steps", len(result_rank["step_ms"]))
 
 
 def _max_abs_diff(a: list | None, b: list | None) -> int | None:
@@ -223,19 +234,22 @@ def _fmt(x, scale=1.0, digits=1) -> str:
 def markdown(rows: list[dict]) -> str:
     mib = 2**20
     head = ("| config | impl | megatron-core | offload_modules | rank | peak MiB | Δpeak MiB | off-device at peak MiB "
-            "| R | step ms (median) | overhead % | loss equal |")
-    lines = [head, "|" + "---|" * 12]
+            "| R | step ms (median) | overhead % | stall ms | D2H GB/s | H2D GB/s | runtime host ms | GC ms "
+            "| loss equal |")
+    lines = [head, "|" + "---|" * 17]
     for r in rows:
         if r.get("failed"):
             lines.append(f"| {r['config']} | {r['impl']} | | {' '.join(r['offload_modules'])} | | FAILED |"
-                         + " |" * 6)
+                         + " |" * 11)
             continue
         src = "" if r["impl"] != "native" or r["host_resident_bytes_at_peak"] is None else " (native's count)"
         lines.append(
             f"| {r['config']} | {r['impl']} | {r['megatron_core']} | {' '.join(r['offload_modules']) or '-'} "
             f"| {r['rank']} | {_fmt(r['peak_bytes'], mib)} | {_fmt(r['delta_peak_bytes'], mib)} "
             f"| {_fmt(r['host_resident_bytes_at_peak'], mib)}{src} | {_fmt(r['R'], 1, 2)} "
-            f"| {_fmt(r['step_ms_median'])} | {_fmt(r['overhead_pct'], 1, 1)} | {r['loss_equal']} |")
+            f"| {_fmt(r['step_ms_median'])} | {_fmt(r['overhead_pct'], 1, 1)} | {_fmt(r.get('stall_ms'), 1, 2)} "
+            f"| {_fmt(r.get('d2h_GBps'))} | {_fmt(r.get('h2d_GBps'))} | {_fmt(r.get('runtime_cpu_ms'), 1, 2)} "
+            f"| {_fmt(r.get('gc_ms'), 1, 2)} | {r['loss_equal']} |")
     return "\n".join(lines) + "\n"
 
 

@@ -13,6 +13,7 @@ On megatron-core 0.15.x the offload flags need ``mcore-offload patch apply`` fir
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -71,6 +72,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--seed", type=int, default=1234)
     a("--deterministic", action="store_true",
       help="deterministic kernels (torch deterministic algorithms, TE deterministic attention)")
+    a("--manual-gc", action="store_true",
+      help="as in Megatron-LM: no automatic Python garbage collection; collect between steps (untimed)")
+    a("--manual-gc-interval", type=int, default=1, help="with --manual-gc: collect every K steps")
     a("--memory-timeline", action="store_true", help="log allocated memory around every microbatch")
     a("--profile-steps", type=int, nargs=2, default=None, metavar=("FIRST", "LAST"),
       help="torch.profiler trace of these steps (inclusive), summarised by trace_analysis.py")
@@ -312,6 +316,30 @@ def versions() -> dict:
 TIMELINE: list[tuple[str, int]] | None = None
 
 
+class GcClock:
+    """Time spent in Python's garbage collector per step (``gc.callbacks``), and collections per generation."""
+
+    def __init__(self) -> None:
+        self.per_step: list[float] = []
+        self.collections = [0, 0, 0]
+        self._t0 = 0.0
+        self._acc = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self._acc += time.perf_counter() - self._t0
+            self.collections[info["generation"]] += 1
+
+    def start_step(self) -> None:
+        self._acc = 0.0
+
+    def end_step(self) -> None:
+        self.per_step.append(round(self._acc * 1e3, 3))
+
+
 def _mark(what: str) -> None:
     if TIMELINE is not None:
         TIMELINE.append((what, torch.cuda.memory_allocated()))
@@ -361,6 +389,10 @@ def main(argv=None) -> int:
     cuda = device.type == "cuda"
     ours = args.fine_grained_activation_offloading and mc.__version__.startswith("0.15")
     losses, step_ms, allocated_after, eval_losses = [], [], [], []
+    gc_clock = GcClock()
+    if args.manual_gc:
+        gc.collect()
+        gc.disable()
     peak_step1, at_peak = None, None
     prof = None
     if args.profile_steps:
@@ -382,12 +414,16 @@ def main(argv=None) -> int:
         opt.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize()
+        gc_clock.start_step()
         t0 = time.perf_counter()
         out = run_schedule(args, chunks, fb, data, forward_only=False)
         opt.step()
         if cuda:
             torch.cuda.synchronize()
         step_ms.append((time.perf_counter() - t0) * 1e3)
+        gc_clock.end_step()
+        if args.manual_gc and (step + 1) % args.manual_gc_interval == 0:
+            gc.collect()
         if prof is not None and step == args.profile_steps[1]:
             prof.__exit__(None, None, None)
             write_profile(prof, args, rank)
@@ -423,11 +459,17 @@ def main(argv=None) -> int:
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "memory_timeline_MiB": [(w, round(b / 2**20, 1)) for w, b in TIMELINE or []],
         "offload_modules": args.offload_modules if args.fine_grained_activation_offloading else [],
+        "gc_ms": gc_clock.per_step, "gc_collections": gc_clock.collections,
     }
     if ours:
         from mcore_offload.summary import get_summary
 
+        get_summary().resolve_link(wait=True)  # after the last step: reading its timing events may sync
         row["offload"] = get_summary().as_dict()
+        per_step = row["offload"]["per_step"]
+        for key in ("stall_ms", "d2h_GBps", "h2d_GBps", "runtime_cpu_ms"):
+            vals = [v for v in per_step[key][args.warmup_steps:] if v is not None]
+            row[key] = statistics.median(vals) if vals else None
         row["host_bytes_at_peak"] = at_peak
         row["host_bytes_source"] = "ours: offloaded bytes off the device when the step-1 peak was reached"
         logger.info("rank %d\n%s", rank, get_summary().table(rank))

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from mcore_offload.runtime.telemetry import StepLink
+
 logger = logging.getLogger(__name__)
 
 COUNTERS = (
@@ -36,6 +38,9 @@ class StepRecord:
     aborted: bool
     points: dict[str, dict[str, int]]
     host_buffer_allocations: int = 0  # pinned buffers newly allocated during this step (0 once warm)
+    runtime_cpu_ms: float = 0.0  # host time spent inside mcore-offload's hooks during this step
+    # GPU-timed link figures, filled in once the step's events are complete (usually at the next step's end)
+    link: StepLink | None = None
 
     def total(self, counter: str) -> int:
         return sum(c[counter] for c in self.points.values())
@@ -55,6 +60,7 @@ class OffloadSummary:
     _peak_reader: Callable[[], int] | None = None
     _allocations_seen: int = 0
     _last_peak: int = 0
+    runtime_ns: int = 0  # host time inside the runtime's hooks since the last closed step
 
     def add(self, point: str, counter: str, nbytes: int) -> None:
         self._current[point][counter] += nbytes
@@ -96,9 +102,41 @@ class OffloadSummary:
 
         points = {k: dict(v) for k, v in self._current.items()}
         allocations = sum(t.pool.allocations for t in _TRANSPORTS.values())
-        self.steps.append(StepRecord(len(self.steps), aborted, points, allocations - self._allocations_seen))
+        record = StepRecord(len(self.steps), aborted, points, allocations - self._allocations_seen,
+                            runtime_cpu_ms=self.runtime_ns / 1e6)
+        self.steps.append(record)
         self._allocations_seen = allocations
         self._current = _new_points()
+        self.runtime_ns = 0
+        for t in _TRANSPORTS.values():
+            t.telemetry.end_step(record.step)
+        self.resolve_link()
+
+    def resolve_link(self, wait: bool = False) -> None:
+        """Attach the link figures of every step whose timing events are complete (all with ``wait``).
+
+        ``wait=True`` synchronises with the GPU: call it after training, never inside a step.
+        """
+        from mcore_offload.runtime.transport import _TRANSPORTS
+
+        for t in _TRANSPORTS.values():
+            for step, link in t.telemetry.resolve(wait=wait):
+                if step < len(self.steps):
+                    self.steps[step].link = link
+                    rec = self.steps[step]
+                    logger.info(
+                        "offload step %d: stall %s ms, D2H %s GB/s (%.1f MiB), H2D %s GB/s (%.1f MiB), "
+                        "runtime host time %.2f ms", step, _fmt(link.stall_ms), _fmt(link.d2h_GBps),
+                        link.d2h_bytes / 2**20, _fmt(link.h2d_GBps), link.h2d_bytes / 2**20, rec.runtime_cpu_ms)
+
+    def link_series(self) -> dict[str, list]:
+        """Per step: stall_ms, d2h_GBps, h2d_GBps, runtime_cpu_ms (None where not measured)."""
+        def col(name: str) -> list:
+            return [None if s.link is None else getattr(s.link, name) for s in self.steps]
+
+        return {"stall_ms": col("stall_ms"), "d2h_GBps": col("d2h_GBps"), "h2d_GBps": col("h2d_GBps"),
+                "d2h_bytes": col("d2h_bytes"), "h2d_bytes": col("h2d_bytes"),
+                "runtime_cpu_ms": [s.runtime_cpu_ms for s in self.steps]}
 
     @property
     def last_step(self) -> StepRecord | None:
@@ -118,6 +156,7 @@ class OffloadSummary:
             "host_buffer_allocations": sum(t.pool.allocations for t in _TRANSPORTS.values()),
             "host_buffer_allocations_per_step": [s.host_buffer_allocations for s in self.steps],
             "host_buffer_bytes": sum(t.pool.allocated_bytes for t in _TRANSPORTS.values()),
+            "per_step": self.link_series(),
         }
 
     def table(self, rank: int | None = None) -> str:
@@ -136,6 +175,10 @@ class OffloadSummary:
         lines.append(f"{'all (MiB)':>20} " + " ".join(f"{last.total(c) / mib:>20.2f}" for c in COUNTERS))
         lines.append(f"host-resident high-water mark: {self.host_resident_peak_bytes / mib:.2f} MiB")
         return "\n".join(lines)
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def get_summary() -> OffloadSummary:

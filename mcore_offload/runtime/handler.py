@@ -25,6 +25,7 @@ import logging
 import sys
 import weakref
 from dataclasses import dataclass, field
+from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -75,6 +76,8 @@ class Group:
     refs: list[SavedRef] = field(default_factory=list)
     rejected: dict[str, int] = field(default_factory=dict)  # why saved tensors stayed, for the log
     entries: list[Entry] = field(default_factory=list)
+    layer: int = 0  # the handler's layer count when the group opened
+    index: int = -1  # position among the handler's committed groups
     committed: bool = False
     kept_on_device: bool = False
     done: bool = False
@@ -152,11 +155,12 @@ class ChunkOffloadHandler(HandlerBase):
         self.live: dict[int, Entry] = {}  # data_ptr of a still-alive device storage -> its entry
         self.backward_started = False
         self.finished = False
+        self.layers = 0  # transformer layers started in this chunk's forward
         # TE attributes that inherited code may read
         self.current_group, self.tensor_count_current_group = 0, 0
 
     def open_group(self, name: str) -> Group:
-        return Group(name)
+        return Group(name, layer=self.layers)
 
     # --------------------------------------------------------------------------------- pack / unpack
     def ineligible_reason(self, t: torch.Tensor) -> str | None:
@@ -189,13 +193,16 @@ class ChunkOffloadHandler(HandlerBase):
         """Pack hook: keep ineligible tensors as they are, wrap eligible ones for the group."""
         if group is None or self.finished:
             return tensor
+        t0 = perf_counter_ns()
         reason = self.ineligible_reason(tensor)
         if reason is not None:
             group.rejected[reason] = group.rejected.get(reason, 0) + 1
-            return tensor
-        ref = SavedRef(tensor, group)
-        group.refs.append(ref)
-        return ref
+            out: Any = tensor
+        else:
+            out = SavedRef(tensor, group)
+            group.refs.append(out)
+        self.manager.summary.runtime_ns += perf_counter_ns() - t0
+        return out
 
     def tensor_pop(self, tensor_tag: Any, **kwargs: Any) -> torch.Tensor:
         """Unpack hook: give back the tensor, rebuilding an offloaded view on its reloaded storage.
@@ -206,6 +213,12 @@ class ChunkOffloadHandler(HandlerBase):
             return tensor_tag
         if tensor_tag.tensor is not None:
             return tensor_tag.tensor
+        t0 = perf_counter_ns()
+        view = self._rebuild(tensor_tag)
+        self.manager.summary.runtime_ns += perf_counter_ns() - t0
+        return view
+
+    def _rebuild(self, tensor_tag: SavedRef) -> torch.Tensor:
         entry = tensor_tag.entry
         if entry.device_storage is None:
             if entry.host is None:
@@ -229,6 +242,7 @@ class ChunkOffloadHandler(HandlerBase):
             return
         group.committed = True
         if group.refs:
+            group.index = len(self.groups)
             self.groups.append(group)
             self.pending.append(group)
         self.current_group += 1
@@ -264,8 +278,8 @@ class ChunkOffloadHandler(HandlerBase):
             to_copy.append((ptr, st, refs))
         if not to_copy:
             return
-        copies = self.transport.to_host([st for _, st, _ in to_copy])
-        for (ptr, st, refs), (host, event) in zip(to_copy, copies):
+        hosts, event = self.transport.to_host([st for _, st, _ in to_copy], [refs[0].tensor for _, _, refs in to_copy])
+        for (ptr, st, refs), host in zip(to_copy, hosts):
             entry = Entry(point=refs[0].group.name, nbytes=st.nbytes(), host=host, d2h_event=event)
             entry.storage_ref = weakref.ref(st, self._released_callback(ptr, entry))
             self.live[ptr] = entry
@@ -308,29 +322,48 @@ class ChunkOffloadHandler(HandlerBase):
                 self.manager.on_kept(g)
             self.pending = []
         self._reload(group.entries)
+        waited: set[int] = set()
         for entry in group.entries:
             if not entry.compute_waited:
-                self.transport.wait(entry.h2d_event)
+                if id(entry.h2d_event) not in waited:  # one wait per reload batch
+                    waited.add(id(entry.h2d_event))
+                    self.transport.wait(entry.h2d_event)
                 entry.compute_waited = True
-        idx = self.groups.index(group) if group in self.groups else 0
-        for prev in reversed(self.groups[:idx]):
-            if prev.entries and not prev.done:
-                self._reload(prev.entries)  # prefetch: overlaps with this group's backward
-                break
+        self._prefetch(group)
         self.current_group = max(self.current_group - 1, 0)
+
+    def _prefetch(self, group: Group) -> None:
+        """Start the reload of every earlier group of this layer and of the layer before, in one batch.
+
+        One group ahead is not enough: attn_proj's backward is far shorter than the link time of
+        core_attn's storages. A layer ahead mirrors forward, where a layer's storages stay on the device
+        until the next layer's copy-out has read them.
+        """
+        if group.index <= 0:
+            return
+        todo: list[Entry] = []
+        for prev in reversed(self.groups[: group.index]):
+            if prev.layer < group.layer - 1:
+                break
+            if not prev.done:
+                todo.extend(prev.entries)
+        if todo:
+            self._reload(todo)
 
     def bulk_reload_group(self, group_to_reload: Any) -> None:
         """TE's name: start the reload of one group."""
         self._reload(group_to_reload.entries)
 
     def _reload(self, entries: list[Entry]) -> None:
-        for entry in entries:
-            if entry.device_storage is None and entry.host is not None:
-                entry.device_storage, entry.h2d_event = self.transport.to_device(
-                    entry.host, entry.d2h_event, self.device
-                )
-                entry.compute_waited = False
-                self.manager.on_reloaded(entry)
+        # dict by id: groups that save views of one storage share its entry
+        todo = list({id(e): e for e in entries if e.device_storage is None and e.host is not None}.values())
+        if not todo:
+            return
+        storages, event = self.transport.to_device([e.host for e in todo], [e.d2h_event for e in todo], self.device)
+        for entry, storage in zip(todo, storages):
+            entry.device_storage, entry.h2d_event = storage, event
+            entry.compute_waited = False
+            self.manager.on_reloaded(entry)
 
     def on_group_backward_done(self, group: Group) -> None:
         """The group's whole backward ran: its device copies can go."""

@@ -10,6 +10,7 @@ flushed: when another chunk's forward or backward comes first.
 from __future__ import annotations
 
 import logging
+from time import perf_counter_ns
 from typing import Any
 
 import torch
@@ -53,6 +54,13 @@ class OffloadManager:
     # ------------------------------------------------------------------------------- forward side
     def begin_chunk(self, config: Any, vp_stage: int | None, model: torch.nn.Module) -> None:
         """A model chunk's forward starts: open a handler if this is a training forward."""
+        t0 = perf_counter_ns()
+        try:
+            self._begin_chunk(config, vp_stage, model)
+        finally:
+            self.summary.runtime_ns += perf_counter_ns() - t0
+
+    def _begin_chunk(self, config: Any, vp_stage: int | None, model: torch.nn.Module) -> None:
         if self.forward_handler is not None:
             self.forward_handler.flush()
         self.forward_handler = None
@@ -89,8 +97,12 @@ class OffloadManager:
 
     def layer_boundary(self) -> None:
         """A transformer layer starts: the previous layer's groups may leave the device."""
-        if self.forward_handler is not None and not _in_backward():
-            self.forward_handler.flush()
+        handler = self.forward_handler
+        if handler is not None and not _in_backward():
+            t0 = perf_counter_ns()
+            handler.layers += 1
+            handler.flush()
+            self.summary.runtime_ns += perf_counter_ns() - t0
 
     def group_closed(self, group: Group) -> None:
         if not group.refs and group.name not in self._announced:

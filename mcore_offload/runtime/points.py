@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
+from time import perf_counter_ns
 from typing import Any, TypeVar
 
 import torch
@@ -38,7 +39,9 @@ class GroupStart(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        t0 = perf_counter_ns()
         ctx.handler.on_group_backward_done(ctx.group)
+        ctx.handler.manager.summary.runtime_ns += perf_counter_ns() - t0
         return grad, None, None
 
 
@@ -53,7 +56,9 @@ class GroupCommit(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        t0 = perf_counter_ns()
         ctx.handler.on_group_commit_backward(ctx.group)
+        ctx.handler.manager.summary.runtime_ns += perf_counter_ns() - t0
         return grad, None, None
 
 
@@ -65,14 +70,18 @@ def offload(name: str | None, config: Any, tensor: torch.Tensor) -> Iterator[tor
     if handler is None or not isinstance(tensor, torch.Tensor):
         yield tensor
         return
+    t0 = perf_counter_ns()
     group = handler.open_group(name)
     if tensor.requires_grad:
         tensor = GroupStart.apply(tensor, handler, group)
     pack = functools.partial(handler.tensor_push, group=group)
     with torch.autograd.graph.saved_tensors_hooks(pack, handler.tensor_pop):
+        manager.summary.runtime_ns += perf_counter_ns() - t0
         yield tensor
+        t0 = perf_counter_ns()
     manager.open_groups[(id(handler), name)] = group
     manager.group_closed(group)
+    manager.summary.runtime_ns += perf_counter_ns() - t0
 
 
 def commit(name: str | None, config: Any, value: Any) -> Any:
@@ -83,6 +92,14 @@ def commit(name: str | None, config: Any, value: Any) -> Any:
     handler = manager.handler_for(config, name)
     if handler is None:
         return value
+    t0 = perf_counter_ns()
+    try:
+        return _commit(manager, handler, name, value)
+    finally:
+        manager.summary.runtime_ns += perf_counter_ns() - t0
+
+
+def _commit(manager: Any, handler: ChunkOffloadHandler, name: str, value: Any) -> Any:
     group = manager.open_groups.pop((id(handler), name), None)
     if group is None:
         return value

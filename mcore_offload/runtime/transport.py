@@ -12,14 +12,9 @@ from collections import defaultdict
 
 import torch
 
+from mcore_offload.runtime.telemetry import LinkTelemetry
+
 logger = logging.getLogger(__name__)
-
-
-def storage_bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
-    """A flat ``uint8`` tensor over a whole storage (no copy)."""
-    flat = torch.empty(0, dtype=torch.uint8, device=storage.device)
-    flat.set_(storage, 0, (storage.nbytes(),), (1,))
-    return flat
 
 
 class HostBufferPool:
@@ -51,25 +46,42 @@ class HostBufferPool:
 
 
 class Transport:
-    """Synchronous copies for CPU tensors (tests); subclassed for CUDA."""
+    """Synchronous copies for CPU tensors (tests); subclassed for CUDA.
+
+    Both directions work on batches (one offload flush; one group's reload with its prefetch), so the
+    per-batch costs (a stream switch, a cross-stream wait, an event) are paid once per batch, not per
+    storage: in a launch-bound step every microsecond of Python on this path is step time.
+    """
 
     def __init__(self) -> None:
         self.pool = HostBufferPool(pin=False)
+        self.telemetry = LinkTelemetry(None)
 
-    def to_host(self, storages: list[torch.UntypedStorage]) -> list[tuple[torch.Tensor, object]]:
-        """Copy each storage into a host buffer; return (buffer, done_event) pairs."""
-        out = []
+    def to_host(self, storages: list[torch.UntypedStorage], keep_alive: list[torch.Tensor]) -> tuple[list, object]:
+        """Copy each storage into a host buffer; return the buffers and one event for all the copies.
+
+        ``keep_alive`` holds one tensor per storage: the allocator must not reuse its block before the copy.
+        """
+        bufs = []
         for storage in storages:
             buf, _ = self.pool.acquire(storage.nbytes())
-            buf.copy_(storage_bytes_view(storage))
-            out.append((buf, None))
-        return out
+            buf.untyped_storage().copy_(storage)
+            bufs.append(buf)
+        self.telemetry.span("d2h", None, None, sum(s.nbytes() for s in storages))
+        return bufs, None
 
-    def to_device(self, host: torch.Tensor, d2h_event: object, device: torch.device):
-        """Copy a host buffer back into fresh device storage; return (storage, done_event)."""
-        dev = torch.empty(host.numel(), dtype=torch.uint8, device=device)
-        dev.copy_(host)
-        return dev.untyped_storage(), None
+    def to_device(self, hosts: list[torch.Tensor], after: list[object], device: torch.device) -> tuple[list, object]:
+        """Copy host buffers into fresh device storages; return them and one event for all the copies.
+
+        ``after``: the D2H events these reads must follow.
+        """
+        out = []
+        for host in hosts:
+            st = torch.UntypedStorage(host.numel(), device=device)
+            st.copy_(host.untyped_storage())
+            out.append(st)
+        self.telemetry.span("h2d", None, None, sum(h.numel() for h in hosts))
+        return out, None
 
     def wait(self, event: object) -> None:
         """Make the current (compute) stream wait for ``event``."""
@@ -82,51 +94,77 @@ class Transport:
 
 
 class CudaTransport(Transport):
-    """D2H and H2D on their own streams, event-guarded in both directions."""
+    """D2H and H2D on their own streams, event-guarded in both directions, timed for telemetry."""
 
     def __init__(self, device: torch.device) -> None:
         self.pool = HostBufferPool(pin=True)
         self.device = device
         self.d2h_stream = torch.cuda.Stream(device=device)
         self.h2d_stream = torch.cuda.Stream(device=device)
+        self.telemetry = LinkTelemetry(lambda: torch.cuda.Event(enable_timing=True))
 
-    def to_host(self, storages):
+    def _switch(self, stream: torch.cuda.Stream) -> torch.cuda.Stream:
+        """Make ``stream`` current; return the compute stream it replaces (cheaper than the context manager)."""
         compute = torch.cuda.current_stream(self.device)
-        # The saved tensors were produced on the compute stream: copy only after it reached this point.
-        self.d2h_stream.wait_stream(compute)
-        out = []
-        with torch.cuda.stream(self.d2h_stream):
+        torch.cuda.set_stream(stream)
+        return compute
+
+    def to_host(self, storages, keep_alive):
+        compute = self._switch(self.d2h_stream)
+        try:
+            # The saved tensors were produced on the compute stream: copy only after it reached this point.
+            self.d2h_stream.wait_stream(compute)
+            bufs, waited, nbytes = [], set(), 0
+            reuse = []
             for storage in storages:
                 buf, reuse_event = self.pool.acquire(storage.nbytes())
-                if reuse_event is not None:
+                if reuse_event is not None and id(reuse_event) not in waited:
                     # The buffer's previous H2D must have read it before we overwrite it.
-                    self.d2h_stream.wait_event(reuse_event)
-                src = storage_bytes_view(storage)
-                buf.copy_(src, non_blocking=True)
+                    waited.add(id(reuse_event))
+                    reuse.append(reuse_event)
+                bufs.append(buf)
+                nbytes += storage.nbytes()
+            for event in reuse:
+                self.d2h_stream.wait_event(event)
+            start = self.telemetry.mark(self.d2h_stream)
+            for storage, buf, user in zip(storages, bufs, keep_alive):
+                buf.untyped_storage().copy_(storage, non_blocking=True)
                 # The caching allocator must not hand this block out before the copy has read it.
-                src.record_stream(self.d2h_stream)
-                out.append(buf)
+                user.record_stream(self.d2h_stream)
             done = torch.cuda.Event()
             done.record(self.d2h_stream)
-        return [(buf, done) for buf in out]
+            self.telemetry.span("d2h", start, self.telemetry.mark(self.d2h_stream), nbytes)
+        finally:
+            torch.cuda.set_stream(compute)
+        return bufs, done
 
-    def to_device(self, host, d2h_event, device):
-        compute = torch.cuda.current_stream(self.device)
-        # Allocated on the compute stream, which is the stream that consumes and later frees it.
-        dev = torch.empty(host.numel(), dtype=torch.uint8, device=device)
-        self.h2d_stream.wait_stream(compute)
-        with torch.cuda.stream(self.h2d_stream):
-            if d2h_event is not None:
+    def to_device(self, hosts, after, device):
+        # Allocated on the compute stream, which is the stream that consumes and later frees them.
+        out = [torch.UntypedStorage(host.numel(), device=device) for host in hosts]
+        compute = self._switch(self.h2d_stream)
+        try:
+            # The new blocks may be memory the compute stream has just freed and still reads.
+            self.h2d_stream.wait_stream(compute)
+            for event in {id(e): e for e in after if e is not None}.values():
                 # A reload reads the host copy: its own D2H must have finished (upstream bug #7398).
-                self.h2d_stream.wait_event(d2h_event)
-            dev.copy_(host, non_blocking=True)
+                self.h2d_stream.wait_event(event)
+            start = self.telemetry.mark(self.h2d_stream)
+            for st, host in zip(out, hosts):
+                st.copy_(host.untyped_storage(), non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.h2d_stream)
-        return dev.untyped_storage(), done
+            self.telemetry.span("h2d", start, self.telemetry.mark(self.h2d_stream), sum(h.numel() for h in hosts))
+        finally:
+            torch.cuda.set_stream(compute)
+        return out, done
 
     def wait(self, event):
         if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
+            compute = torch.cuda.current_stream(self.device)
+            # The two marks bracket the wait on the compute stream: their distance is the stall.
+            start = self.telemetry.mark(compute)
+            compute.wait_event(event)
+            self.telemetry.span("stall", start, self.telemetry.mark(compute))
 
     def synchronize(self):
         self.d2h_stream.synchronize()

@@ -1,0 +1,125 @@
+"""Per-step link telemetry: how long the compute stream waited for reloads, and the copy throughput.
+
+Everything is timed on the GPU with timing events recorded around each copy burst (one offload flush,
+one reload batch) and around each compute-stream wait on a reload. Reading an event's time needs it to
+be complete, and waiting for that inside a step would be a host synchronisation, so a step's events are
+read at the end of the *next* step (by then the GPU has long passed them; ``query()`` confirms it), or
+on demand by :meth:`LinkTelemetry.resolve` with ``wait=True`` (the benchmark, after its last step).
+
+Events are pooled: after step 1 no event is created, only re-recorded.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepLink:
+    """One step's link figures (``None`` where nothing of that kind happened or no clock exists)."""
+
+    stall_ms: float | None = None
+    d2h_GBps: float | None = None
+    h2d_GBps: float | None = None
+    d2h_bytes: int = 0
+    h2d_bytes: int = 0
+    d2h_ms: float | None = None
+    h2d_ms: float | None = None
+    waits: int = 0
+
+
+@dataclass
+class _Pending:
+    step: int
+    # (kind, start event, end event, bytes); kind is "d2h", "h2d" or "stall"
+    spans: list[tuple[str, Any, Any, int]] = field(default_factory=list)
+
+
+class LinkTelemetry:
+    """Collects timed spans for the current step; resolves finished steps into :class:`StepLink`.
+
+    ``new_event`` makes a timing event (CUDA: ``torch.cuda.Event(enable_timing=True)``); it needs
+    ``record(stream)``, ``query()``, ``synchronize()`` and ``elapsed_time(other)`` in milliseconds.
+    With ``new_event=None`` (the CPU transport) only bytes are counted.
+    """
+
+    def __init__(self, new_event: Callable[[], Any] | None) -> None:
+        self._new_event = new_event
+        self._free: list[Any] = []
+        self._current = _Pending(step=0)
+        self._unresolved: list[_Pending] = []
+        self.events_created = 0
+
+    @property
+    def timed(self) -> bool:
+        return self._new_event is not None
+
+    def mark(self, stream: Any) -> Any:
+        """Record a timing event on ``stream`` now (None without a clock)."""
+        if self._new_event is None:
+            return None
+        ev = self._free.pop() if self._free else None
+        if ev is None:
+            ev = self._new_event()
+            self.events_created += 1
+        ev.record(stream)
+        return ev
+
+    def span(self, kind: str, start: Any, end: Any, nbytes: int = 0) -> None:
+        self._current.spans.append((kind, start, end, nbytes))
+
+    def end_step(self, step: int) -> None:
+        """The step ``step`` ended: its spans wait to be read; earlier finished steps are read now."""
+        self._current.step = step
+        self._unresolved.append(self._current)
+        self._current = _Pending(step=step + 1)
+
+    def resolve(self, wait: bool = False) -> list[tuple[int, StepLink]]:
+        """Read every ended step whose events are complete (all of them with ``wait``), oldest first."""
+        done: list[tuple[int, StepLink]] = []
+        while self._unresolved:
+            pending = self._unresolved[0]
+            if not all(self._complete(end, wait) for _, _, end, _ in pending.spans):
+                break
+            self._unresolved.pop(0)
+            done.append((pending.step, self._read(pending)))
+        return done
+
+    def _complete(self, event: Any, wait: bool) -> bool:
+        if event is None:
+            return True
+        if wait:
+            event.synchronize()
+            return True
+        return bool(event.query())
+
+    def _read(self, pending: _Pending) -> StepLink:
+        link = StepLink()
+        ms = {"d2h": 0.0, "h2d": 0.0, "stall": 0.0}
+        for kind, start, end, nbytes in pending.spans:
+            if kind == "d2h":
+                link.d2h_bytes += nbytes
+            elif kind == "h2d":
+                link.h2d_bytes += nbytes
+            else:
+                link.waits += 1
+            if start is not None and end is not None:
+                ms[kind] += start.elapsed_time(end)
+                self._free.extend((start, end))
+        if self.timed:
+            link.stall_ms = ms["stall"] if link.waits else 0.0
+            link.d2h_ms, link.h2d_ms = ms["d2h"], ms["h2d"]
+            # bytes per ms / 1e6 = GB/s
+            link.d2h_GBps = link.d2h_bytes / ms["d2h"] / 1e6 if link.d2h_bytes and ms["d2h"] > 0 else None
+            link.h2d_GBps = link.h2d_bytes / ms["h2d"] / 1e6 if link.h2d_bytes and ms["h2d"] > 0 else None
+        return link
+
+    def clear(self) -> None:
+        """Forget unread spans (abort paths, tests); pooled events stay reusable."""
+        self._current = _Pending(step=self._current.step)
+        self._unresolved.clear()
