@@ -21,6 +21,7 @@ import statistics
 import sys
 import time
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -78,6 +79,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--memory-timeline", action="store_true", help="log allocated memory around every microbatch")
     a("--profile-steps", type=int, nargs=2, default=None, metavar=("FIRST", "LAST"),
       help="torch.profiler trace of these steps (inclusive), summarised by trace_analysis.py")
+    a("--cprofile-steps", type=int, nargs=2, default=None, metavar=("FIRST", "LAST"),
+      help="cProfile these steps (inclusive) with autograd on the main thread, so that backward's Python "
+           "(hooks, TE's backward functions) is profiled too; writes cprofile_rank*.txt to --profile-dir")
     a("--profile-dir", default="profile", help="where traces and their summaries go")
     a("--json-out", default=None, help="write every rank's results here (rank 0)")
     a("--label", default="", help="free text stored in the JSON")
@@ -316,6 +320,32 @@ def versions() -> dict:
 TIMELINE: list[tuple[str, int]] | None = None
 
 
+def start_cprofile():
+    import cProfile
+
+    # The autograd engine runs CUDA backward on its own thread, which cProfile would not see.
+    torch.autograd.set_multithreading_enabled(False)
+    prof = cProfile.Profile()
+    prof.enable()
+    return prof
+
+
+def stop_cprofile(prof, args, rank: int) -> None:
+    import io
+    import pstats
+
+    prof.disable()
+    torch.autograd.set_multithreading_enabled(True)
+    out = Path(args.profile_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf)
+    stats.sort_stats("tottime").print_stats(60)
+    stats.sort_stats("cumulative").print_stats("mcore_offload", 40)
+    (out / f"cprofile_rank{rank}.txt").write_text(buf.getvalue())
+    stats.dump_stats(str(out / f"cprofile_rank{rank}.pstats"))
+
+
 class GcClock:
     """Time spent in Python's garbage collector per step (``gc.callbacks``), and collections per generation."""
 
@@ -398,6 +428,8 @@ def main(argv=None) -> int:
     if args.profile_steps:
         annotate_offload_runtime()
     for step in range(args.train_iters):
+        if args.cprofile_steps and step == args.cprofile_steps[0]:
+            cprof = start_cprofile()
         if args.profile_steps and step == args.profile_steps[0]:
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
                                           + ([torch.profiler.ProfilerActivity.CUDA] if cuda else []))
@@ -424,6 +456,8 @@ def main(argv=None) -> int:
         gc_clock.end_step()
         if args.manual_gc and (step + 1) % args.manual_gc_interval == 0:
             gc.collect()
+        if args.cprofile_steps and step == args.cprofile_steps[1]:
+            stop_cprofile(cprof, args, rank)
         if prof is not None and step == args.profile_steps[1]:
             prof.__exit__(None, None, None)
             write_profile(prof, args, rank)
