@@ -41,6 +41,7 @@ MOE_C = ("--num-layers 8 --hidden-size 2048 --num-attention-heads 16 --ffn-hidde
          "--moe-router-topk 4 --moe-ffn-hidden-size 1024")
 ATTN = ["qkv_linear", "core_attn", "attn_proj"]
 EXPERTS = ["expert_fc1", "moe_act"]
+AUTO = ["auto"]  # ours only: upstream has no such mode (native runs skip it)
 TINY = ("--transformer-impl local --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
         "--vocab-size 256 --micro-batch-size 2 --num-microbatches 2 --min-offloaded-tensor-size 1024")
 
@@ -58,11 +59,11 @@ class Config:
 
 
 CONFIGS: dict[str, Config] = {
-    "A": Config(f"{DENSE_A} {PP1} --num-microbatches 4", [["core_attn"], ATTN],
+    "A": Config(f"{DENSE_A} {PP1} --num-microbatches 4", [["core_attn"], ATTN, AUTO],
                 description="dense, 16 layers, hidden 2048, 16 heads, ffn 8192, PP=1, 4 microbatches"),
-    "B": Config(f"{DENSE_B} {PP1} --num-microbatches 4", [["core_attn"], ATTN],
+    "B": Config(f"{DENSE_B} {PP1} --num-microbatches 4", [["core_attn"], ATTN, AUTO],
                 description="dense, 8 layers, hidden 4096, 32 heads, ffn 14336, PP=1, 4 microbatches"),
-    "C": Config(f"{MOE_C} {PP1} --num-microbatches 4", [EXPERTS, ATTN + EXPERTS],
+    "C": Config(f"{MOE_C} {PP1} --num-microbatches 4", [EXPERTS, ATTN + EXPERTS, AUTO],
                 description="MoE, 8 layers, hidden 2048, 16 experts, top-4, moe-ffn 1024, PP=1, 4 microbatches"),
     "D-dense": Config(f"{DENSE_A} {PP1} --num-microbatches 8 --pipeline-model-parallel-size 2 "
                       "--virtual-pipeline-model-parallel-size 2", [["core_attn"], ATTN], nproc=2,
@@ -80,7 +81,7 @@ CONFIGS: dict[str, Config] = {
                            "--virtual-pipeline-model-parallel-size 2 --tensor-model-parallel-size 2 "
                            "--sequence-parallel",
                            [["core_attn"], ATTN], nproc=4, description="A's model at PP=2 x VPP=2 x TP=2 (SP), 4 GPUs"),
-    "tiny-dense": Config(TINY, [["core_attn"], ATTN], cpu=True, description="CPU smoke: tiny dense, local spec"),
+    "tiny-dense": Config(TINY, [["core_attn"], ATTN, AUTO], cpu=True, description="CPU smoke: tiny dense, local spec"),
     "tiny-moe": Config(f"{TINY} --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 64", [EXPERTS],
                        cpu=True, description="CPU smoke: tiny MoE, local spec"),
 }
@@ -110,6 +111,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=2, help="steps before the timed ones (median of the rest)")
     p.add_argument("--timeout", type=int, default=400, help="seconds per run")
     p.add_argument("--out", required=True, help="result folder")
+    p.add_argument("--sets", nargs="*", default=None,
+                   help="only these offload sets, written with '+' (core_attn, qkv_linear+core_attn+attn_proj, auto)")
     p.add_argument("--extra", default="", help="more pretrain_gpt.py flags for every run")
     args = p.parse_args(argv)
     if "native" in args.impls and not args.native_megatron:
@@ -134,7 +137,9 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
         for impl, tree in trees:
             runs.append(Run(name, "baseline", tree))
             if impl in args.impls:
-                runs.extend(Run(name, impl, tree, list(s)) for s in cfg.sets)
+                runs.extend(Run(name, impl, tree, list(s)) for s in cfg.sets
+                            if not (impl == "native" and s == AUTO)
+                            and (not args.sets or "+".join(s) in args.sets))
     return runs
 
 

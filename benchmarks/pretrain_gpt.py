@@ -420,6 +420,11 @@ def main(argv=None) -> int:
     ours = args.fine_grained_activation_offloading and mc.__version__.startswith("0.15")
     losses, step_ms, allocated_after, eval_losses = [], [], [], []
     gc_clock = GcClock()
+    peak_step = 1
+    if ours and any(m.startswith("auto") for m in args.offload_modules):
+        from mcore_offload.runtime.auto import PROBE_STEPS
+
+        peak_step = PROBE_STEPS
     if args.manual_gc:
         gc.collect()
         gc.disable()
@@ -434,8 +439,9 @@ def main(argv=None) -> int:
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
                                           + ([torch.profiler.ProfilerActivity.CUDA] if cuda else []))
             prof.__enter__()
-        if cuda and step == 1:
-            # Step 0 allocates the optimizer-free model's gradients and autotunes; peaks are read from step 1.
+        if cuda and step == peak_step:
+            # Step 0 allocates the optimizer-free model's gradients and autotunes; peaks are read from step 1
+            # (with offload_modules=["auto"], from its first planned step: the steps before it probe).
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             if ours:
@@ -462,7 +468,7 @@ def main(argv=None) -> int:
             prof.__exit__(None, None, None)
             write_profile(prof, args, rank)
             prof = None
-        if cuda and step == 1:
+        if cuda and step == peak_step:
             peak_step1 = torch.cuda.max_memory_allocated()
             if ours:
                 get_summary().stop_tracking_peak()
@@ -487,7 +493,7 @@ def main(argv=None) -> int:
         "losses": losses, "loss_hex": [None if x is None else float(x).hex() for x in losses],
         "step_ms": step_ms, "step_ms_median": statistics.median(timed), "timed_steps": len(timed),
         "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
-        "peak_bytes_step1": peak_step1,
+        "peak_bytes_step1": peak_step1, "peak_step": peak_step,
         "allocated_after_step": allocated_after, "eval_losses": eval_losses,
         "versions": versions(),
         "device": torch.cuda.get_device_name() if cuda else "cpu",

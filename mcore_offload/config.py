@@ -39,10 +39,14 @@ def validate_offload_modules(modules: Sequence[str]) -> list[str]:
             f"write offload_modules=[{modules!r}]."
         )
     names = list(modules)
+    from mcore_offload.runtime.auto import parse_auto
+
+    if parse_auto(names) is not False:  # ["auto"] / ["auto:<GiB>"], checked there
+        return names
     unknown = [m for m in names if m not in OFFLOAD_MODULES]
     if unknown:
         raise ValueError(
-            f"Unknown offload module(s) {unknown}: choose from {_allowed()}."
+            f"Unknown offload module(s) {unknown}: choose from {_allowed()}, or use ['auto'] / ['auto:<GiB>']."
         )
     return names
 

@@ -20,17 +20,20 @@ def test_peak_memory_smoke_on_cpu(tmp_path):
     """baseline + ours on the tiny dense model: every run finishes, losses equal, bytes offloaded."""
     out = tmp_path / "pm"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "peak_memory.py"), "--config", "tiny-dense",
-                           "--impls", "baseline", "ours", "--train-iters", "3", "--warmup-steps", "1",
+                           "--impls", "baseline", "ours", "--train-iters", "4", "--warmup-steps", "2",
                            "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads((out / "results.json").read_text())["rows"]
     assert [(r["impl"], r["offload_modules"]) for r in rows] == [
-        ("baseline", []), ("ours", ["core_attn"]), ("ours", ["qkv_linear", "core_attn", "attn_proj"])]
+        ("baseline", []), ("ours", ["core_attn"]), ("ours", ["qkv_linear", "core_attn", "attn_proj"]),
+        ("ours", ["auto"])]
     assert all(r["loss_equal"] for r in rows)
     assert all(r["timed_steps"] == 2 and r["step_ms_median"] > 0 for r in rows)
     assert set(rows[1]["offloaded_bytes_by_point"]) == {"core_attn"} and rows[1]["offloaded_bytes_by_point"][
         "core_attn"] > 0
     assert rows[2]["offloaded_bytes_by_point"]["qkv_linear"] > 0
+    assert rows[3]["offloaded_bytes_by_point"]["core_attn"] > 0  # auto's planned step (after its probe)
+    assert all(r["runtime_cpu_ms"] > 0 for r in rows[1:])  # host time in the hooks, per step
     assert "| tiny-dense | ours |" in (out / "results.md").read_text()
 
 

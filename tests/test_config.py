@@ -41,7 +41,8 @@ def test_fields_have_upstream_names_types_and_defaults():
     [
         (dict(offload_modules=["core_attn", "mlp"]),
          r"Unknown offload module\(s\) \['mlp'\]: choose from attn_norm, qkv_linear, core_attn, "
-         r"attn_proj, mlp_norm, expert_fc1, moe_act\."),
+         r"attn_proj, mlp_norm, expert_fc1, moe_act, or use \['auto'\] / \['auto:<GiB>'\]\."),
+        (dict(offload_modules=["auto", "core_attn"]), r"mixes 'auto' with other names; use \['auto'\]"),
         (dict(offload_modules=[]), r"needs at least one name in offload_modules: choose from attn_norm"),
         (dict(offload_modules=["attn_proj"]), r"'attn_proj' without 'core_attn'.*add 'core_attn'"),
         (dict(offload_modules=["core_attn"], cpu_offloading=True, cpu_offloading_num_layers=1),

@@ -156,6 +156,7 @@ class ChunkOffloadHandler(HandlerBase):
         self.backward_started = False
         self.finished = False
         self.layers = 0  # transformer layers started in this chunk's forward
+        self.marks = None  # auto probe: clock marks of this forward (see runtime/auto.py)
         # TE attributes that inherited code may read
         self.current_group, self.tensor_count_current_group = 0, 0
 
@@ -284,6 +285,8 @@ class ChunkOffloadHandler(HandlerBase):
             entry.storage_ref = weakref.ref(st, self._released_callback(ptr, entry))
             self.live[ptr] = entry
             self.manager.on_offloaded(entry)
+            if self.manager.auto is not None:
+                self.manager.auto.offloaded(self.vp_stage, refs[0].group.layer, entry.point, entry.nbytes)
             self._attach(entry, refs)
 
     def _released_callback(self, ptr: int, entry: Entry):

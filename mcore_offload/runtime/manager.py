@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from mcore_offload.runtime.auto import AUTO, AutoPlanner, Plan, clock_mark, elapsed_ms, parse_auto
 from mcore_offload.runtime.handler import ChunkOffloadHandler, Entry, Group
 from mcore_offload.runtime.transport import reset_transports
 from mcore_offload.summary import OffloadSummary
@@ -22,18 +23,30 @@ from mcore_offload.summary import OffloadSummary
 logger = logging.getLogger(__name__)
 
 
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+
+
 def _in_backward() -> bool:
     """True while the autograd engine runs a backward (recompute inside backward must not offload)."""
-    task_id = getattr(torch._C, "_current_graph_task_id", None)
-    return task_id is not None and task_id() != -1
+    return _graph_task_id is not None and _graph_task_id() != -1
 
 
 def point_enabled(config: Any, name: str | None) -> bool:
-    return (
-        name is not None
-        and getattr(config, "fine_grained_activation_offloading", False)
-        and name in (config.offload_modules or ())
-    )
+    if name is None or not getattr(config, "fine_grained_activation_offloading", False):
+        return False
+    modules = config.offload_modules or ()
+    return name in modules or (len(modules) == 1 and modules[0].startswith(AUTO))
+
+
+def _parameter_storages(model: torch.nn.Module) -> tuple[torch.device | None, set[int]]:
+    """The chunk's device and the storages of its parameters and main_grad buffers (never offloaded)."""
+    params = list(model.parameters())
+    if not params:
+        return None, set()
+    protected = {p.untyped_storage().data_ptr() for p in params}
+    protected |= {p.main_grad.untyped_storage().data_ptr() for p in params
+                  if getattr(p, "main_grad", None) is not None}
+    return params[0].device, protected
 
 
 class OffloadManager:
@@ -42,6 +55,7 @@ class OffloadManager:
     def __init__(self) -> None:
         self.summary = OffloadSummary()
         self._announced: set[str] = set()
+        self.auto: AutoPlanner | None = None  # offload_modules=["auto"...]: probe, then a plan
         self.reset_step()
 
     def reset_step(self) -> None:
@@ -50,6 +64,9 @@ class OffloadManager:
         # groups whose ``offload`` block closed and whose ``commit`` has not come yet
         self.open_groups: dict[tuple[int, str], Group] = {}
         self._microbatches: dict[int | None, int] = {}
+        self._protected: dict[int, tuple[torch.device | None, set[int]]] = {}  # id(chunk) -> its storages
+        self._measuring_started = False
+        self._trained = False  # a training forward ran in this schedule call
 
     # ------------------------------------------------------------------------------- forward side
     def begin_chunk(self, config: Any, vp_stage: int | None, model: torch.nn.Module) -> None:
@@ -63,28 +80,38 @@ class OffloadManager:
     def _begin_chunk(self, config: Any, vp_stage: int | None, model: torch.nn.Module) -> None:
         if self.forward_handler is not None:
             self.forward_handler.flush()
+            self._forward_ended(self.forward_handler)
         self.forward_handler = None
         self.open_groups.clear()
         if not getattr(config, "fine_grained_activation_offloading", False):
             return
         if not model.training or not torch.is_grad_enabled() or _in_backward():
             return
-        params = list(model.parameters())
-        if not params:
+        target = parse_auto(config.offload_modules)
+        if target is not False and self.auto is None:
+            self.auto = AutoPlanner(target)
+        found = self._protected.get(id(model))
+        if found is None:
+            # Walking every parameter costs about a millisecond on a large chunk: once per chunk and step
+            # (main_grad buffers may be replaced between steps, never inside one).
+            found = self._protected[id(model)] = _parameter_storages(model)
+        device, protected = found
+        if device is None:
             return
-        protected = {p.untyped_storage().data_ptr() for p in params}
-        protected |= {
-            p.main_grad.untyped_storage().data_ptr()
-            for p in params
-            if getattr(p, "main_grad", None) is not None
-        }
         mb = self._microbatches.get(vp_stage, 0)
         self._microbatches[vp_stage] = mb + 1
-        handler = ChunkOffloadHandler(
-            self, vp_stage, mb, params[0].device, int(config.min_offloaded_tensor_size), protected
-        )
+        handler = ChunkOffloadHandler(self, vp_stage, mb, device, int(config.min_offloaded_tensor_size), protected)
         self.handlers.append(handler)
         self.forward_handler = handler
+        self._trained = True
+        if self.auto is not None and self.auto.measuring:
+            if not self._measuring_started and self.auto.target_gib is not None and device.type == "cuda":
+                # The target needs this step's peak and what was off the device then (documented side
+                # effect: the allocator's peak statistic is reset once, here).
+                torch.cuda.reset_peak_memory_stats(device)
+                self.summary.track_peak(lambda: torch.cuda.max_memory_allocated(device))
+            self._measuring_started = True
+            handler.marks = self.auto.chunk_started(vp_stage, clock_mark(device))
 
     def handler_for(self, config: Any, name: str | None) -> ChunkOffloadHandler | None:
         """The handler an offload point should use now, or None when the point is off."""
@@ -92,6 +119,8 @@ class OffloadManager:
         if handler is None or not point_enabled(config, name):
             return None
         if not torch.is_grad_enabled() or _in_backward():
+            return None
+        if self.auto is not None and not self.auto.enabled(handler.vp_stage, handler.layers, name):
             return None
         return handler
 
@@ -102,6 +131,8 @@ class OffloadManager:
             t0 = perf_counter_ns()
             handler.layers += 1
             handler.flush()
+            if handler.marks is not None:
+                handler.marks.layers.append(clock_mark(handler.device))
             self.summary.runtime_ns += perf_counter_ns() - t0
 
     def group_closed(self, group: Group) -> None:
@@ -121,6 +152,13 @@ class OffloadManager:
         fwd = self.forward_handler
         if fwd is not None and fwd is not handler and fwd.pending:
             fwd.flush()
+        self._forward_ended(handler)
+
+    @staticmethod
+    def _forward_ended(handler: ChunkOffloadHandler) -> None:
+        """The auto probe's end mark of a chunk's forward (the first of: next chunk starts, its backward)."""
+        if handler.marks is not None and handler.marks.end is None:
+            handler.marks.end = clock_mark(handler.device)
 
     def on_handler_finished(self, handler: ChunkOffloadHandler) -> None:
         if handler in self.handlers:
@@ -139,7 +177,24 @@ class OffloadManager:
             h.finish()
         if self.summary.step_has_activity():
             self.summary.close_step(aborted=aborted)
+        if self.auto is not None and self._trained and not aborted:
+            self._plan()
+        self._measuring_started = self._trained = False
         self.reset_step()
+
+    def _plan(self) -> Plan | None:
+        """End of an auto step: at the end of the measured one, read its clocks and choose (syncs once)."""
+        link, peak = None, None
+        if self.auto.measuring:
+            self.summary.resolve_link(wait=True)
+            last = self.summary.last_step
+            link = last.link.d2h_GBps if last is not None and last.link is not None else None
+            if self.summary._peak_reader is not None:
+                peak = self.summary._peak_reader()
+                self.summary.stop_tracking_peak()
+            if link is None:  # CPU: copies are memcpy, never the limit
+                link = 1000.0
+        return self.auto.step_ended(elapsed_ms, link, peak, self.summary.off_device_at_peak_bytes)
 
     # ------------------------------------------------------------------------------------ counters
     def on_offloaded(self, entry: Entry) -> None:

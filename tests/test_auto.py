@@ -1,0 +1,108 @@
+"""``offload_modules=["auto"]``: spelling, the choice on synthetic measurements, and a real run on CPU."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from mcore_offload.config import validate_offload_modules
+from mcore_offload.runtime.auto import PROBE_STEPS, ChunkProfile, choose, parse_auto
+from mcore_offload.runtime.manager import get_manager
+from mcore_offload.summary import get_summary
+from tests.harness.gpt import build_dense_gpt, init_parallel, run_steps
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+]
+MiB = 2**20
+CA = ("core_attn", "attn_proj")
+
+
+def test_spelling():
+    assert parse_auto(["core_attn"]) is False
+    assert parse_auto(["auto"]) is None
+    assert parse_auto(["auto:38.5"]) == 38.5
+    assert validate_offload_modules(["auto:12"]) == ["auto:12"]
+    with pytest.raises(ValueError, match="mixes 'auto' with other names"):
+        parse_auto(["auto", "core_attn"])
+    for bad in (["auto:"], ["auto:-3"], ["auto:lots"]):
+        with pytest.raises(ValueError, match=r"is not 'auto:<GiB>' with a positive number; write e\.g\. 'auto:38\.5'"):
+            validate_offload_modules(bad)
+
+
+def profile(layers: int, layer_ms: float, per_layer: dict[tuple[str, ...], int], live: int = 1) -> ChunkProfile:
+    p = ChunkProfile(layer_ms={i: layer_ms for i in range(1, layers + 1)}, tail_ms=layer_ms, live_at_peak=live)
+    p.unit_bytes = {(i, u): n for i in range(1, layers + 1) for u, n in per_layer.items()}
+    return p
+
+
+def test_everything_is_chosen_when_the_link_keeps_up():
+    # 1 ms layers at 50 GB/s (x0.9): 45 MB per layer fit; 30 + 10 MB per layer do
+    prof = profile(4, 1.0, {CA: 30_000_000, ("qkv_linear",): 10_000_000})
+    plan = choose({None: prof}, link_GBps=50.0)
+    assert plan.hidden and all(plan.points[(None, i)] == {"core_attn", "attn_proj", "qkv_linear"} for i in range(1, 5))
+    assert plan.expected_saving_bytes == 4 * 40_000_000
+
+
+def test_the_largest_units_are_kept_and_the_rest_left_when_the_link_cannot_keep_up():
+    # 40 MB + 30 MB per 1 ms layer need 70 GB/s: every layer keeps its 40 MB core attention, the queue
+    # then has room for only some qkv_linear groups (a layer of lag is allowed), never all of them.
+    prof = profile(6, 1.0, {CA: 40_000_000, ("qkv_linear",): 30_000_000})
+    plan = choose({None: prof}, link_GBps=50.0)
+    assert all(set(CA) <= plan.points[(None, i)] for i in range(1, 7))
+    qkv = sum("qkv_linear" in plan.points[(None, i)] for i in range(1, 7))
+    assert 0 < qkv < 6
+    assert plan.hidden
+
+
+def test_a_target_takes_just_enough_largest_first_and_counts_microbatches_in_flight():
+    prof = profile(4, 1.0, {CA: 30 * MiB, ("qkv_linear",): 10 * MiB}, live=2)
+    plan = choose({None: prof}, link_GBps=1000.0, need_bytes=100 * MiB)  # 2 x 30 MiB per core-attn group
+    chosen = [(k, v) for k, v in plan.points.items() if v]
+    assert all(v == frozenset(CA) for _, v in chosen) and len(chosen) == 2
+    assert plan.expected_saving_bytes == 2 * 2 * 30 * MiB
+    assert not choose({None: prof}, 1000.0, need_bytes=0).points
+
+
+def test_an_unreachable_target_offloads_everything_and_says_so():
+    prof = profile(2, 1.0, {CA: 10 * MiB})
+    plan = choose({None: prof}, link_GBps=1000.0, need_bytes=1024 * MiB)
+    assert len([v for v in plan.points.values() if v]) == 2
+    assert "target not reachable" in plan.describe()
+
+
+def test_a_target_beyond_the_hidden_set_adds_exposed_copies():
+    prof = profile(4, 1.0, {CA: 40_000_000, ("qkv_linear",): 30_000_000})
+    hidden = choose({None: prof}, 50.0)
+    plan = choose({None: prof}, 50.0, need_bytes=int((hidden.expected_saving_bytes + 50_000_000) / 1.05))
+    assert not plan.hidden and plan.expected_saving_bytes > hidden.expected_saving_bytes
+
+
+@pytest.fixture(scope="module")
+def _parallel():
+    init_parallel()
+    yield
+
+
+def test_auto_on_a_real_model_probes_then_offloads_its_plan_bitwise_equal(_parallel, caplog):
+    kw = dict(n_steps=PROBE_STEPS + 2, num_microbatches=2, seq_len=16, micro_batch_size=2, lr=0.1)
+    ref = run_steps(build_dense_gpt(num_layers=3), **kw)
+    overrides = dict(fine_grained_activation_offloading=True, offload_modules=["auto"], min_offloaded_tensor_size=512)
+    with caplog.at_level(logging.INFO, logger="mcore_offload"):
+        got = run_steps(build_dense_gpt(num_layers=3, config_overrides=overrides), **kw)
+    assert got.losses == ref.losses
+    for ga, gb in zip(got.grads, ref.grads, strict=True):
+        assert all((ga[k] == gb[k]).all() for k in ga)
+    plan = get_manager().auto.plan
+    assert plan is not None and plan.hidden  # on CPU the "link" is a memcpy: everything fits
+    assert sum(1 for m in caplog.messages if m.startswith("offload auto plan")) == 1
+    steps = get_summary().steps
+    # the probe offloads every point; the planned steps offload the chosen ones, all released and restored
+    assert {"qkv_linear", "core_attn"} <= {p for p, c in steps[0].points.items() if c["offloaded"]}
+    for step in steps[PROBE_STEPS:]:
+        assert step.total("offloaded") > 0
+        assert step.total("released_in_forward") == step.total("offloaded") == step.total("reloaded")
+    chosen = {p for pts in plan.points.values() for p in pts}
+    assert {p for p, c in steps[-1].points.items() if c["offloaded"]} <= chosen

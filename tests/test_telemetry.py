@@ -1,0 +1,69 @@
+"""Link telemetry: spans read only once complete, per-step stall and throughput, events pooled."""
+
+from __future__ import annotations
+
+import pytest
+
+from mcore_offload.runtime.telemetry import LinkTelemetry
+
+
+class FakeEvent:
+    """A timing event on a fake clock; ``done`` says whether the 'GPU' has passed it."""
+
+    clock = 0.0
+
+    def __init__(self) -> None:
+        self.t, self.done, self.synced = None, False, 0
+
+    def record(self, stream) -> None:
+        self.t, self.done = FakeEvent.clock, False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done, self.synced = True, self.synced + 1
+
+    def elapsed_time(self, other: FakeEvent) -> float:
+        return other.t - self.t
+
+
+def test_a_step_is_read_once_its_events_completed_and_events_are_reused():
+    tel = LinkTelemetry(FakeEvent)
+    FakeEvent.clock = 0.0
+    a = tel.mark("d2h")
+    FakeEvent.clock = 2.0  # 100 MB in 2 ms = 50 GB/s
+    b = tel.mark("d2h")
+    tel.span("d2h", a, b, 100_000_000)
+    c = tel.mark("compute")
+    FakeEvent.clock = 2.5
+    d = tel.mark("compute")
+    tel.span("stall", c, d)
+    tel.end_step(0)
+    assert tel.resolve() == []  # not complete: never waits by itself
+    for e in (a, b, c, d):
+        e.done = True
+    [(step, link)] = tel.resolve()
+    assert step == 0 and link.d2h_GBps == pytest.approx(50.0) and link.stall_ms == pytest.approx(0.5)
+    assert link.h2d_GBps is None and link.waits == 1 and link.d2h_bytes == 100_000_000
+    created = tel.events_created
+    for _ in range(4):
+        tel.mark("x")
+    assert tel.events_created == created  # the four read events came back to the pool
+
+
+def test_resolve_with_wait_synchronises_and_keeps_step_order():
+    tel = LinkTelemetry(FakeEvent)
+    for step in range(2):
+        s, e = tel.mark("h2d"), tel.mark("h2d")
+        tel.span("h2d", s, e, 10)
+        tel.end_step(step)
+    assert [s for s, _ in tel.resolve(wait=True)] == [0, 1]
+
+
+def test_without_a_clock_only_bytes_are_counted():
+    tel = LinkTelemetry(None)
+    tel.span("d2h", tel.mark(None), tel.mark(None), 5)
+    tel.end_step(0)
+    [(_, link)] = tel.resolve()
+    assert link.d2h_bytes == 5 and link.d2h_GBps is None and link.stall_ms is None
