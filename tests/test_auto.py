@@ -66,6 +66,14 @@ def test_a_target_takes_just_enough_largest_first_and_counts_microbatches_in_fli
     assert not choose({None: prof}, 1000.0, need_bytes=0).points
 
 
+def test_groups_kept_on_the_device_stay_in_the_plan_so_that_backward_prefetches_early():
+    prof = profile(3, 1.0, {CA: 10 * MiB})
+    del prof.unit_bytes[(3, CA)]
+    prof.kept = {(3, CA)}  # the last layer: its backward starts the reload of layer 2
+    plan = choose({None: prof}, link_GBps=1000.0)
+    assert plan.points[(None, 3)] == frozenset(CA) and plan.expected_saving_bytes == 2 * 10 * MiB
+
+
 def test_an_unreachable_target_offloads_everything_and_says_so():
     prof = profile(2, 1.0, {CA: 10 * MiB})
     plan = choose({None: prof}, link_GBps=1000.0, need_bytes=1024 * MiB)
@@ -104,5 +112,6 @@ def test_auto_on_a_real_model_probes_then_offloads_its_plan_bitwise_equal(_paral
     for step in steps[PROBE_STEPS:]:
         assert step.total("offloaded") > 0
         assert step.total("released_in_forward") == step.total("offloaded") == step.total("reloaded")
+    assert plan.points[(None, 3)]  # the last layer, kept on the device, still triggers the first prefetch
     chosen = {p for pts in plan.points.values() for p in pts}
     assert {p for p, c in steps[-1].points.items() if c["offloaded"]} <= chosen

@@ -107,6 +107,9 @@ class ChunkProfile:
     tail_ms: float = 0.0  # from the last layer's start to the chunk's end (last layer + head)
     unit_bytes: dict[tuple[int, tuple[str, ...]], int] = field(default_factory=dict)  # (layer, unit) -> bytes
     live_at_peak: int = 1  # microbatches of this chunk in flight when the probe's peak was reached
+    # (layer, unit) whose groups stayed on the device (backward came before any flush: the chunk's last
+    # layer at PP=1). They cost no link time, and their backward is what starts the first prefetch.
+    kept: set[tuple[int, tuple[str, ...]]] = field(default_factory=set)
 
 
 @dataclass
@@ -206,6 +209,10 @@ def choose(profiles: dict[Any, ChunkProfile], link_GBps: float, need_bytes: int 
     points: dict[tuple[Any, int], set[str]] = defaultdict(set)
     for _, vp, layer, unit in picked:
         points[(vp, layer)].update(unit)
+    if picked:
+        for vp, p in profiles.items():
+            for layer, unit in p.kept:
+                points[(vp, layer)].update(unit)
     return Plan({k: frozenset(v) for k, v in points.items()}, saving(picked), hidden, link_GBps, note)
 
 
@@ -219,6 +226,7 @@ class AutoPlanner:
         self._marks: list[ChunkMarks] = []  # the measured step's handlers
         self._bytes: dict[Any, dict[tuple[int, tuple[str, ...]], list[int]]] = defaultdict(lambda: defaultdict(list))
         self._live_at_peak: dict[Any, int] = {}
+        self._kept: dict[Any, set[tuple[int, tuple[str, ...]]]] = defaultdict(set)
         self._peak_seen = -1
 
     @property
@@ -243,6 +251,10 @@ class AutoPlanner:
     def offloaded(self, vp_stage: Any, layer: int, point: str, nbytes: int) -> None:
         if self.measuring:
             self._bytes[vp_stage][(layer, unit_of(point))].append(nbytes)
+
+    def kept(self, vp_stage: Any, layer: int, point: str) -> None:
+        if self.measuring:
+            self._kept[vp_stage].add((layer, unit_of(point)))
 
     def peak_check(self, peak: int, live: dict[Any, int]) -> None:
         """Called with the allocator's peak at layer boundaries of the probe step."""
@@ -278,7 +290,7 @@ class AutoPlanner:
             if layers and m.end is not None:
                 tails[vp].append(elapsed(layers[-1], m.end))
         out: dict[Any, ChunkProfile] = {}
-        for vp in set(per_layer) | set(self._bytes):
+        for vp in set(per_layer) | set(self._bytes) | set(self._kept):
             prof = ChunkProfile()
             prof.layer_ms = {layer: statistics.median(v) for layer, v in per_layer[vp].items()}
             last = max(prof.layer_ms, default=0) + 1
@@ -287,5 +299,6 @@ class AutoPlanner:
                 prof.tail_ms = statistics.median(tails[vp])
             prof.unit_bytes = {k: int(statistics.median(v)) for k, v in self._bytes[vp].items()}
             prof.live_at_peak = max(1, self._live_at_peak.get(vp, 1))
+            prof.kept = set(self._kept[vp])
             out[vp] = prof
         return out

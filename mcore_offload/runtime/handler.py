@@ -323,6 +323,8 @@ class ChunkOffloadHandler(HandlerBase):
             for g in self.pending:  # backward came before any flush: these never leave the device
                 g.kept_on_device = True
                 self.manager.on_kept(g)
+                if self.manager.auto is not None:
+                    self.manager.auto.kept(self.vp_stage, g.layer, g.name)
             self.pending = []
         self._reload(group.entries)
         waited: set[int] = set()
