@@ -7,6 +7,6 @@ set -u
 out=${1:?outdir}; mkdir -p "$out"
 pm() { python3 benchmarks/peak_memory.py --impls baseline ours --ours-megatron /root/mc-0.15.3 --timeout 200 "$@"; }
 pm --config A --out "$out/A"
-pm --config A --extra "--manual-gc" --out "$out/A-manual-gc"
+pm --config A --extra=--manual-gc --out "$out/A-manual-gc"   # (--extra "--manual-gc" was read as an option: that run failed)
 pm --config B --out "$out/B"
 cd "$out" && tar czf results.tgz A A-manual-gc B && rm -rf A A-manual-gc B
