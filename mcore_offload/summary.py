@@ -174,6 +174,10 @@ class OffloadSummary:
             lines.append(f"{name:>20} " + " ".join(f"{row[c] / mib:>20.2f}" for c in COUNTERS))
         lines.append(f"{'all (MiB)':>20} " + " ".join(f"{last.total(c) / mib:>20.2f}" for c in COUNTERS))
         lines.append(f"host-resident high-water mark: {self.host_resident_peak_bytes / mib:.2f} MiB")
+        lines.append(f"runtime host time: {last.runtime_cpu_ms:.2f} ms")
+        if last.link is not None:
+            lines.append(f"link: stall {_fmt(last.link.stall_ms)} ms, D2H {_fmt(last.link.d2h_GBps)} GB/s, "
+                         f"H2D {_fmt(last.link.h2d_GBps)} GB/s")
         return "\n".join(lines)
 
 

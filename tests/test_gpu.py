@@ -1,0 +1,151 @@
+"""GPU-only tests (issue 6 and the CUDA paths of issue 5). Skipped without CUDA; on the GPU host:
+
+    source .gpu/w/setup.sh 0.15.3 && python3 -m mcore_offload patch apply --megatron-path /root/mc-0.15.3
+    MCORE_OFFLOAD_MEGATRON=/root/mc-0.15.3 python3 -m pytest -q -m gpu tests/test_gpu.py
+
+The first group drives the runtime on a toy model on one GPU (streams, events, pinned pool, faults). The second
+runs ``benchmarks/peak_memory.py`` (baseline vs ours, separate torchrun processes) for each combination of the
+compatibility issue and checks its ``results.json``; multi-GPU layouts skip when the host has too few GPUs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mcore_offload.runtime import points
+from mcore_offload.runtime.manager import get_manager, reset
+from mcore_offload.runtime.transport import _TRANSPORTS
+from mcore_offload.summary import get_summary
+from tests.test_runtime_unit import Toy, cfg, train_step
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the GPU host)")]
+ROOT = Path(__file__).resolve().parent.parent
+MiB = 2**20
+
+
+def cuda_run(names, steps=3, microbatches=2, fail_at=None):
+    """Train the toy on CUDA; ``fail_at=(step, microbatch, exc)`` raises inside that microbatch's 2nd layer."""
+    reset()
+    model = Toy(cfg(*names), hidden=512).cuda()
+    real_layer = model.layer
+    state = {"calls": 0, "arm": False}
+
+    def layer(x, qkv, proj):
+        state["calls"] += 1
+        if state["arm"] and state["calls"] == 3 * fail_at[1] + 2:  # the toy has 3 layers
+            raise fail_at[2]
+        return real_layer(x, qkv, proj)
+
+    model.layer = layer
+    out = []
+    for step in range(steps):
+        model.zero_grad()
+        inputs = [torch.randn(256, 512, generator=torch.Generator().manual_seed(10 * step + i)).cuda()
+                  for i in range(microbatches)]
+        state["calls"], state["arm"] = 0, fail_at is not None and fail_at[0] == step
+        try:
+            losses = train_step(model, inputs)
+        except (RuntimeError, KeyboardInterrupt):
+            out.append(None)
+            continue
+        torch.cuda.synchronize()
+        out.append(([x.item() for x in losses], [p.grad.clone() for p in model.parameters()]))
+    return out
+
+
+def same(a, b) -> bool:
+    return a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+
+
+def test_cuda_bitwise_equal_pinned_pool_warm_after_step_0_and_telemetry():
+    base = cuda_run([], steps=4)
+    got = cuda_run(["qkv_linear", "core_attn", "attn_proj"], steps=4)
+    assert all(same(a, b) for a, b in zip(base, got))
+    summary = get_summary()
+    summary.resolve_link(wait=True)
+    assert [s.host_buffer_allocations for s in summary.steps][1:] == [0, 0, 0]
+    for s in summary.steps:
+        assert s.total("released_in_forward") == s.total("offloaded") == s.total("reloaded") > 0
+        assert s.link is not None and s.link.d2h_GBps > 0 and s.link.h2d_GBps > 0 and s.link.stall_ms >= 0
+    assert summary.host_resident_bytes == 0
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("injected"), KeyboardInterrupt()], ids=["exception", "interrupt"])
+def test_a_fault_inside_a_forward_leaves_nothing_and_the_next_step_is_normal(exc):
+    base = cuda_run([], steps=3)
+    torch.cuda.synchronize()
+    allocated_before = torch.cuda.memory_allocated()
+    got = cuda_run(["core_attn", "attn_proj"], steps=3, fail_at=(1, 1, exc))
+    held = sum(g.numel() * g.element_size() for r in got if r is not None for g in r[1])
+    assert got[1] is None and same(got[0], base[0]) and same(got[2], base[2])
+    manager, summary = get_manager(), get_summary()
+    assert not manager.handlers and manager.forward_handler is None
+    assert summary.host_resident_bytes == 0 and summary.off_device_bytes == 0
+    assert [s.aborted for s in summary.steps] == [False, True, False]
+    assert summary.steps[2].host_buffer_allocations == 0  # the pool survived the fault, nothing leaked
+    for t in _TRANSPORTS.values():
+        assert t.d2h_stream.query() and t.h2d_stream.query()  # no copy left in flight
+    torch.cuda.synchronize()
+    # the toy and its activations are gone; what remains is what was there before plus the grads kept in `got`
+    assert torch.cuda.memory_allocated() <= allocated_before + held + 1 * MiB
+
+
+def test_forward_only_and_no_grad_on_cuda_offload_nothing():
+    reset()
+    model = Toy(cfg("core_attn"), hidden=512).cuda()
+    x = torch.randn(256, 512, device="cuda")
+    with torch.no_grad():
+        model(x)
+    model.eval()
+    model(x)
+    points.step_boundary(lambda: None)()
+    assert not get_summary().steps and not get_manager().handlers
+
+
+# ------------------------------------------------------------------------ megatron runs (peak_memory)
+def peak_memory(tmp_path, config: str, sets: list[str], extra: str = "", iters: int = 10, nproc: int = 1):
+    if torch.cuda.device_count() < nproc:
+        pytest.skip(f"needs {nproc} GPUs")
+    tree = os.environ.get("MCORE_OFFLOAD_MEGATRON", "/root/mc-0.15.3")
+    out = tmp_path / config
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "peak_memory.py"), "--config", config, "--impls", "baseline",
+           "ours", "--ours-megatron", tree, "--train-iters", str(iters), "--timeout", "400", "--out", str(out),
+           "--sets", *sets]
+    if extra:
+        cmd.append(f"--extra={extra}")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    ours = [r for r in rows if r["impl"] == "ours"]
+    assert ours and not any(r.get("failed") for r in rows)
+    for r in ours:
+        assert r["loss_equal"], r["run"]
+        assert r["delta_peak_bytes"] > 0, (r["run"], r["rank"])  # every rank's peak is lower
+        assert all(n == 0 for n in r["pinned_allocations_per_step"][1:]), r["pinned_allocations_per_step"]
+    return ours
+
+
+@pytest.mark.parametrize("extra", ["--fp8 hybrid", "--attention-backend flash", "--attention-backend fused",
+                                   "--eval-interval 2 --eval-iters 2"],
+                         ids=["fp8-delayed", "flash", "cudnn-fused", "eval-every-2"])
+def test_single_gpu_combinations_equal_loss_and_lower_peak(tmp_path, extra):
+    peak_memory(tmp_path, "A", ["core_attn", "qkv_linear+core_attn+attn_proj"], extra)
+
+
+def test_200_steps_allocated_memory_equals_the_baseline_and_pinned_memory_is_flat(tmp_path):
+    for r in peak_memory(tmp_path, "A", ["core_attn"], iters=200):
+        assert r["allocated_after_step_max_abs_diff_bytes"] <= 1 * MiB
+
+
+@pytest.mark.parametrize(("config", "nproc"), [("E-tp2sp", 2), ("E-ep2", 2), ("E-pp2vpp2tp2", 4)])
+def test_parallel_layouts_equal_loss_and_every_rank_lower(tmp_path, config, nproc):
+    sets = ["expert_fc1+moe_act"] if config == "E-ep2" else ["core_attn", "qkv_linear+core_attn+attn_proj"]
+    peak_memory(tmp_path, config, sets, nproc=nproc)
