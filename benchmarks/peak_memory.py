@@ -94,11 +94,17 @@ class Run:
     megatron: str | None  # megatron-core tree put first on PYTHONPATH (None: the installed one)
     modules: list[str] = field(default_factory=list)
     result: dict | None = None
+    rep: int = 0  # repetition (--repeat): every repetition runs the whole list again, so variants interleave
+
+    @property
+    def key(self) -> tuple:
+        return (self.config, self.impl, self.megatron, tuple(self.modules))
 
     @property
     def name(self) -> str:
         tree = Path(self.megatron).name if self.megatron else "installed"
-        return f"{self.config}__{self.impl}__{tree}__{'+'.join(self.modules) or 'none'}"
+        return f"{self.config}__{self.impl}__{tree}__{'+'.join(self.modules) or 'none'}" + (
+            f"__r{self.rep}" if self.rep else "")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -113,10 +119,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="result folder")
     p.add_argument("--sets", nargs="*", default=None,
                    help="only these offload sets, written with '+' (core_attn, qkv_linear+core_attn+attn_proj, auto)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run the whole list N times, interleaved; step time = median of the runs' medians")
     p.add_argument("--extra", default="", help="more pretrain_gpt.py flags for every run")
     args = p.parse_args(argv)
     if "native" in args.impls and not args.native_megatron:
         p.error("--impls native needs --native-megatron DIR (a megatron-core 0.16.x tree); add it or drop native")
+    if args.repeat < 1:
+        p.error("--repeat must be at least 1")
     if args.train_iters - args.warmup_steps < 1:
         p.error("--train-iters must exceed --warmup-steps so that some steps are timed")
     return args
@@ -140,7 +150,35 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
                 runs.extend(Run(name, impl, tree, list(s)) for s in cfg.sets
                             if not (impl == "native" and s == AUTO)
                             and (not args.sets or "+".join(s) in args.sets))
+    once = list(runs)
+    for rep in range(1, args.repeat):
+        runs.extend(Run(r.config, r.impl, r.megatron, list(r.modules), rep=rep) for r in once)
     return runs
+
+
+def merge_repeats(runs: list[Run]) -> list[Run]:
+    """One run per variant: the first repetition's result, its step time the median of all repetitions'.
+
+    Each rank keeps every repetition's median (``step_ms_medians``); a repetition whose losses differ from the
+    first's makes the variant's losses unequal to everything (``loss_hex`` set to None).
+    """
+    merged: dict[tuple, Run] = {}
+    for run in runs:
+        first = merged.setdefault(run.key, run)
+        if run.result is None or first.result is None:
+            if run.result is None:
+                first.result = None
+            continue
+        for mine, theirs in zip(first.result["ranks"], run.result["ranks"]):
+            mine.setdefault("step_ms_medians", [mine["step_ms_median"]])
+            if run is not first:
+                mine["step_ms_medians"].append(theirs["step_ms_median"])
+                if mine["loss_hex"] != theirs["loss_hex"]:
+                    mine["loss_hex"] = [None]
+    for run in merged.values():
+        for rank in (run.result or {}).get("ranks", []):
+            rank["step_ms_median"] = statistics.median(rank["step_ms_medians"])
+    return list(merged.values())
 
 
 def launch(run: Run, args: argparse.Namespace, out: Path, port: int) -> dict | None:
@@ -202,6 +240,7 @@ def rows_for(runs: list[Run], hardware: dict) -> list[dict]:
                 "host_bytes_source": r.get("host_bytes_source"),
                 "R": (delta / host) if delta is not None and host else None,
                 "step_ms_median": r["step_ms_median"], "timed_steps": r.get("timed_steps"),
+                "step_ms_medians": r.get("step_ms_medians"),  # one per repetition (--repeat)
                 "overhead_pct": overhead, "loss_equal": equal,
                 "offloaded_bytes_by_point": {k: v["offloaded"] for k, v in
                                              r.get("offload", {}).get("last_step", {}).items()},
@@ -348,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("[%d/%d] %s: %s in %.0f s%s", i + 1, len(runs), run.name, "ok" if run.result else "FAILED",
                     time.time() - t0, "" if not peaks or peaks[0] is None else
                     "; peak " + " ".join(f"{p / 2**30:.2f}" for p in peaks) + " GiB")
-    rows = rows_for(runs, hardware)
+    rows = rows_for(merge_repeats(runs), hardware)
     (out / "results.json").write_text(json.dumps(
         {"command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
          "hardware": hardware, "configs": {c: CONFIGS[c].description for c in args.config}, "rows": rows},

@@ -135,3 +135,17 @@ def test_pretrain_gpt_evaluation_between_steps_offloads_nothing(tmp_path):
     offload = out["ours"]["offload"]
     assert offload["steps"] == 3  # one record per training step; evaluations left no activity
     assert offload["host_resident_bytes"] == 0 and offload["last_step"]["core_attn"]["offloaded"] > 0
+
+
+def test_repeats_interleave_and_merge_into_the_median_of_medians():
+    args = peak_memory.parse_args(["--config", "tiny-dense", "--sets", "core_attn", "--repeat", "3", "--out", "/x"])
+    runs = peak_memory.plan_runs(args)
+    assert [(r.impl, r.rep) for r in runs] == [("baseline", 0), ("ours", 0), ("baseline", 1), ("ours", 1),
+                                               ("baseline", 2), ("ours", 2)]
+    for r, ms in zip(runs, [10, 20, 30, 11, 12, 13]):
+        r.result = {"ranks": [{"rank": 0, "step_ms_median": ms, "loss_hex": ["a"]}]}
+    runs[5].result["ranks"][0]["loss_hex"] = ["b"]  # one repetition of ours computed something else
+    base, ours = peak_memory.merge_repeats(runs)
+    b = base.result["ranks"][0]
+    assert b["step_ms_medians"] == [10, 30, 12] and b["step_ms_median"] == 12
+    assert ours.result["ranks"][0]["step_ms_median"] == 13 and ours.result["ranks"][0]["loss_hex"] == [None]
