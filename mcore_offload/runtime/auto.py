@@ -70,12 +70,12 @@ def unit_of(point: str) -> tuple[str, ...]:
 
 
 class ChunkMarks:
-    """Clock marks of one chunk's forward in the measured step: its start, each layer's start, its end."""
+    """Clock marks of one chunk's forward in the measured step: each layer's start, and the forward's end."""
 
-    __slots__ = ("vp_stage", "start", "layers", "end")
+    __slots__ = ("vp_stage", "layers", "end")
 
-    def __init__(self, vp_stage: Any, start: Any) -> None:
-        self.vp_stage, self.start = vp_stage, start
+    def __init__(self, vp_stage: Any) -> None:
+        self.vp_stage = vp_stage
         self.layers: list[Any] = []
         self.end: Any = None
 
@@ -230,10 +230,6 @@ class AutoPlanner:
         self._peak_seen = -1
 
     @property
-    def probing(self) -> bool:
-        return self.plan is None
-
-    @property
     def measuring(self) -> bool:
         return self.plan is None and self.steps == PROBE_STEPS - 1
 
@@ -241,10 +237,10 @@ class AutoPlanner:
         return self.plan is None or self.plan.enabled(vp_stage, layer, point)
 
     # -------------------------------------------------------------------- measurements (probe step)
-    def chunk_started(self, vp_stage: Any, mark: Any) -> ChunkMarks | None:
+    def chunk_started(self, vp_stage: Any) -> ChunkMarks | None:
         if not self.measuring:
             return None
-        marks = ChunkMarks(vp_stage, mark)
+        marks = ChunkMarks(vp_stage)
         self._marks.append(marks)
         return marks
 
@@ -257,7 +253,8 @@ class AutoPlanner:
             self._kept[vp_stage].add((layer, unit_of(point)))
 
     def peak_check(self, peak: int, live: dict[Any, int]) -> None:
-        """Called with the allocator's peak at layer boundaries of the probe step."""
+        """The allocator's peak and the chunk forwards in flight per ``vp_stage``, at each layer start of the
+        measured step (with a target only: the peak statistic was reset when that step began)."""
         if self.measuring and peak > self._peak_seen:
             self._peak_seen = peak
             self._live_at_peak = dict(live)

@@ -9,7 +9,9 @@ flushed: when another chunk's forward or backward comes first.
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections import Counter
 from time import perf_counter_ns
 from typing import Any
 
@@ -66,6 +68,7 @@ class OffloadManager:
         self._microbatches: dict[int | None, int] = {}
         self._protected: dict[int, tuple[torch.device | None, set[int]]] = {}  # id(chunk) -> its storages
         self._measuring_started = False
+        self._peak_reader: Any = None  # auto with a target, in the measured step: the allocator's peak
         self._trained = False  # a training forward ran in this schedule call
 
     # ------------------------------------------------------------------------------- forward side
@@ -109,9 +112,10 @@ class OffloadManager:
                 # The target needs this step's peak and what was off the device then (documented side
                 # effect: the allocator's peak statistic is reset once, here).
                 torch.cuda.reset_peak_memory_stats(device)
-                self.summary.track_peak(lambda: torch.cuda.max_memory_allocated(device))
+                self._peak_reader = functools.partial(torch.cuda.max_memory_allocated, device)
+                self.summary.track_peak(self._peak_reader)
             self._measuring_started = True
-            handler.marks = self.auto.chunk_started(vp_stage, clock_mark(device))
+            handler.marks = self.auto.chunk_started(vp_stage)
 
     def handler_for(self, config: Any, name: str | None) -> ChunkOffloadHandler | None:
         """The handler an offload point should use now, or None when the point is off."""
@@ -133,6 +137,9 @@ class OffloadManager:
             handler.flush()
             if handler.marks is not None:
                 handler.marks.layers.append(clock_mark(handler.device))
+                if self._peak_reader is not None:
+                    live = Counter(h.vp_stage for h in self.handlers if not h.finished)
+                    self.auto.peak_check(self._peak_reader(), live)
             self.summary.runtime_ns += perf_counter_ns() - t0
 
     def group_closed(self, group: Group) -> None:
@@ -179,6 +186,8 @@ class OffloadManager:
             self.summary.close_step(aborted=aborted)
         if self.auto is not None and self._trained and not aborted:
             self._plan()
+        if self._peak_reader is not None:  # an aborted measured step: the next one measures again
+            self.summary.stop_tracking_peak()
         self._measuring_started = self._trained = False
         self.reset_step()
 
@@ -189,9 +198,10 @@ class OffloadManager:
             self.summary.resolve_link(wait=True)
             last = self.summary.last_step
             link = last.link.d2h_GBps if last is not None and last.link is not None else None
-            if self.summary._peak_reader is not None:
-                peak = self.summary._peak_reader()
+            if self._peak_reader is not None:
+                peak = self._peak_reader()
                 self.summary.stop_tracking_peak()
+                self._peak_reader = None
             if link is None:  # CPU: copies are memcpy, never the limit
                 link = 1000.0
         return self.auto.step_ended(elapsed_ms, link, peak, self.summary.off_device_at_peak_bytes)
