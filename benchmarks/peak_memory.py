@@ -249,7 +249,7 @@ def rows_for(runs: list[Run], hardware: dict) -> list[dict]:
                 # link throughput during copy bursts, host time inside the runtime, and GC time (all runs)
                 "stall_ms": r.get("stall_ms"), "d2h_GBps": r.get("d2h_GBps"), "h2d_GBps": r.get("h2d_GBps"),
                 "runtime_cpu_ms": r.get("runtime_cpu_ms"),
-                "gc_ms": statistics.median(r["gc_ms"][args_warmup(r):]) if r.get("gc_ms") else None,
+                "gc_ms": r.get("gc_ms_median"),
                 "pinned_allocations": r.get("offload", {}).get("host_buffer_allocations"),
                 "pinned_allocations_per_step": r.get("offload", {}).get("host_buffer_allocations_per_step"),
                 # after-step allocated memory against the baseline's, step by step (issue 6: leaks)
@@ -258,11 +258,6 @@ def rows_for(runs: list[Run], hardware: dict) -> list[dict]:
                 "hardware": hardware, "versions": r["versions"], "run": run.name,
             })
     return rows
-
-
-def args_warmup(result_rank: dict) -> int:
-    """How many leading steps a run left out of its median (the timed ones are the rest)."""
-    return len(result_rank["step_ms"]) - result_rank.get("timed_steps", len(result_rank["step_ms"]))
 
 
 def _max_abs_diff(a: list | None, b: list | None) -> int | None:

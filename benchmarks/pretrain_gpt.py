@@ -500,6 +500,7 @@ def main(argv=None) -> int:
         "memory_timeline_MiB": [(w, round(b / 2**20, 1)) for w, b in TIMELINE or []],
         "offload_modules": args.offload_modules if args.fine_grained_activation_offloading else [],
         "gc_ms": gc_clock.per_step, "gc_collections": gc_clock.collections,
+        "gc_ms_median": statistics.median(gc_clock.per_step[args.warmup_steps:] or gc_clock.per_step),
     }
     if ours:
         from mcore_offload.summary import get_summary

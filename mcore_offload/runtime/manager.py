@@ -188,7 +188,6 @@ class OffloadManager:
             self._plan()
         if self._peak_reader is not None:  # an aborted measured step: the next one measures again
             self.summary.stop_tracking_peak()
-        self._measuring_started = self._trained = False
         self.reset_step()
 
     def _plan(self) -> Plan | None:

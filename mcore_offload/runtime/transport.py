@@ -17,12 +17,14 @@ from mcore_offload.runtime.telemetry import LinkTelemetry
 logger = logging.getLogger(__name__)
 
 
+_raw_set_stream = getattr(torch._C, "_cuda_setStream", None)
+
+
 def _set_stream(stream: torch.cuda.Stream) -> None:
-    setter = getattr(torch._C, "_cuda_setStream", None)
-    if setter is None:  # private API gone
+    if _raw_set_stream is None:  # private API gone
         torch.cuda.set_stream(stream)
     else:
-        setter(stream_id=stream.stream_id, device_index=stream.device_index, device_type=stream.device_type)
+        _raw_set_stream(stream_id=stream.stream_id, device_index=stream.device_index, device_type=stream.device_type)
 
 
 class HostBufferPool:
@@ -127,18 +129,12 @@ class CudaTransport(Transport):
         try:
             # The saved tensors were produced on the compute stream: copy only after it reached this point.
             self.d2h_stream.wait_stream(compute)
-            bufs, waited, nbytes = [], set(), 0
-            reuse = []
-            for storage in storages:
-                buf, reuse_event = self.pool.acquire(storage.nbytes())
-                if reuse_event is not None and id(reuse_event) not in waited:
-                    # The buffer's previous H2D must have read it before we overwrite it.
-                    waited.add(id(reuse_event))
-                    reuse.append(reuse_event)
-                bufs.append(buf)
-                nbytes += storage.nbytes()
-            for event in reuse:
+            acquired = [self.pool.acquire(storage.nbytes()) for storage in storages]
+            bufs = [buf for buf, _ in acquired]
+            for event in {id(e): e for _, e in acquired if e is not None}.values():
+                # A reused buffer's previous H2D must have read it before we overwrite it.
                 self.d2h_stream.wait_event(event)
+            nbytes = sum(storage.nbytes() for storage in storages)
             start = self.telemetry.mark(self.d2h_stream)
             for storage, buf, user in zip(storages, bufs, keep_alive):
                 buf.untyped_storage().copy_(storage, non_blocking=True)
