@@ -33,6 +33,10 @@ from pathlib import Path
 
 logger = logging.getLogger("peak_memory")
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # the package under test, also when it is not installed
+    sys.path.insert(0, str(ROOT))
+
+from mcore_offload.config import validate_offload_modules  # noqa: E402
 
 PP1 = "--seq-length 4096 --micro-batch-size 1 --bf16 --transformer-impl transformer_engine --deterministic"
 DENSE_A = "--num-layers 16 --hidden-size 2048 --num-attention-heads 16 --ffn-hidden-size 8192"
@@ -118,7 +122,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=int, default=400, help="seconds per run")
     p.add_argument("--out", required=True, help="result folder")
     p.add_argument("--sets", nargs="*", default=None,
-                   help="only these offload sets, written with '+' (core_attn, qkv_linear+core_attn+attn_proj, auto)")
+                   help="these offload sets instead of the configuration's, written with '+' "
+                        "(core_attn, qkv_linear+core_attn+attn_proj, auto)")
     p.add_argument("--repeat", type=int, default=1,
                    help="run the whole list N times, interleaved; step time = median of the runs' medians")
     p.add_argument("--extra", default="", help="more pretrain_gpt.py flags for every run")
@@ -127,6 +132,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--impls native needs --native-megatron DIR (a megatron-core 0.16.x tree); add it or drop native")
     if args.repeat < 1:
         p.error("--repeat must be at least 1")
+    for s in args.sets or []:
+        try:
+            validate_offload_modules(s.split("+"))
+        except ValueError as e:
+            p.error(f"--sets {s}: {e}")
     if args.train_iters - args.warmup_steps < 1:
         p.error("--train-iters must exceed --warmup-steps so that some steps are timed")
     return args
@@ -147,9 +157,8 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
         for impl, tree in trees:
             runs.append(Run(name, "baseline", tree))
             if impl in args.impls:
-                runs.extend(Run(name, impl, tree, list(s)) for s in cfg.sets
-                            if not (impl == "native" and s == AUTO)
-                            and (not args.sets or "+".join(s) in args.sets))
+                sets = [s.split("+") for s in args.sets] if args.sets else cfg.sets
+                runs.extend(Run(name, impl, tree, list(s)) for s in sets if not (impl == "native" and s == AUTO))
     once = list(runs)
     for rep in range(1, args.repeat):
         runs.extend(Run(r.config, r.impl, r.megatron, list(r.modules), rep=rep) for r in once)
@@ -255,6 +264,8 @@ def rows_for(runs: list[Run], hardware: dict) -> list[dict]:
                 # after-step allocated memory against the baseline's, step by step (issue 6: leaks)
                 "allocated_after_step_max_abs_diff_bytes": _max_abs_diff(
                     r.get("allocated_after_step"), b.get("allocated_after_step") if b else None),
+                "audit": r.get("audit"),
+                "offload_steps": r.get("offload", {}).get("steps"),  # steps that offloaded (eval steps must not)  # --extra=--audit-offloaded: protected bytes offloaded (must be 0)
                 "hardware": hardware, "versions": r["versions"], "run": run.name,
             })
     return rows

@@ -66,6 +66,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--fine-grained-activation-offloading", action="store_true")
     a("--offload-modules", nargs="*", default=[])
     a("--min-offloaded-tensor-size", type=int, default=1024 * 1024)
+    a("--audit-offloaded", action="store_true",
+      help="after every step, check in bytes that no offloaded storage was a parameter, main_grad or TE FP8 "
+           "weight workspace (ours only; JSON field 'audit')")
     a("--train-iters", type=int, default=10)
     a("--warmup-steps", type=int, default=2, help="steps left out of the step-time median")
     a("--log-interval", type=int, default=1)
@@ -430,6 +433,11 @@ def main(argv=None) -> int:
         gc.disable()
     peak_step1, at_peak = None, None
     prof = None
+    audit = None
+    if ours and args.audit_offloaded:
+        from mcore_offload.audit import OffloadAudit
+
+        audit = OffloadAudit()
     if args.profile_steps:
         annotate_offload_runtime()
     for step in range(args.train_iters):
@@ -460,6 +468,8 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
         step_ms.append((time.perf_counter() - t0) * 1e3)
         gc_clock.end_step()
+        if audit is not None:  # untimed: walks every parameter and module
+            audit.check(chunks)
         if args.manual_gc and (step + 1) % args.manual_gc_interval == 0:
             gc.collect()
         if args.cprofile_steps and step == args.cprofile_steps[1]:
@@ -512,6 +522,9 @@ def main(argv=None) -> int:
             vals = [v for v in per_step[key][args.warmup_steps:] if v is not None]
             row[key] = statistics.median(vals) if vals else None
         row["host_bytes_at_peak"] = at_peak
+        if audit is not None:
+            row["audit"] = audit.as_dict()
+            audit.close()
         row["host_bytes_source"] = "ours: offloaded bytes off the device when the step-1 peak was reached"
         logger.info("rank %d\n%s", rank, get_summary().table(rank))
     elif args.fine_grained_activation_offloading:

@@ -21,7 +21,8 @@ def test_peak_memory_smoke_on_cpu(tmp_path):
     out = tmp_path / "pm"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "peak_memory.py"), "--config", "tiny-dense",
                            "--impls", "baseline", "ours", "--train-iters", "4", "--warmup-steps", "2",
-                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+                           "--out", str(out), "--extra=--audit-offloaded"],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads((out / "results.json").read_text())["rows"]
     assert [(r["impl"], r["offload_modules"]) for r in rows] == [
@@ -34,6 +35,9 @@ def test_peak_memory_smoke_on_cpu(tmp_path):
     assert rows[2]["offloaded_bytes_by_point"]["qkv_linear"] > 0
     assert rows[3]["offloaded_bytes_by_point"]["core_attn"] > 0  # auto's planned step (after its probe)
     assert all(r["runtime_cpu_ms"] > 0 for r in rows[1:])  # host time in the hooks, per step
+    for r in rows[1:]:  # --audit-offloaded: bytes were judged and none was a parameter or main_grad
+        assert r["audit"]["offloaded_bytes"] > 0 and not any(r["audit"]["overlap_bytes"].values())
+    assert rows[0]["audit"] is None and all(r["offload_steps"] == 4 for r in rows[1:])
     assert "| tiny-dense | ours |" in (out / "results.md").read_text()
 
 

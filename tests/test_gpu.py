@@ -133,15 +133,51 @@ def peak_memory(tmp_path, config: str, sets: list[str], extra: str = "", iters: 
     return ours
 
 
-@pytest.mark.parametrize("extra", ["--fp8 hybrid", "--attention-backend flash", "--attention-backend fused",
-                                   "--eval-interval 2 --eval-iters 2"],
-                         ids=["fp8-delayed", "flash", "cudnn-fused", "eval-every-2"])
-def test_single_gpu_combinations_equal_loss_and_lower_peak(tmp_path, extra):
-    peak_memory(tmp_path, "A", ["core_attn", "qkv_linear+core_attn+attn_proj"], extra)
+# Correctness runs do not need A's 16 layers: 4 keep every code path and cut each run to its start-up time.
+SMALL = "--num-layers 4"
+DENSE_POINTS = "attn_norm+qkv_linear+core_attn+attn_proj+mlp_norm"
+ALL_POINTS = DENSE_POINTS + "+expert_fc1+moe_act"
+
+
+def assert_audit_clean(r: dict, workspaces: bool) -> None:
+    """No offloaded byte was a parameter, main_grad or TE FP8 weight workspace (``--audit-offloaded``)."""
+    audit = r["audit"]
+    assert audit and audit["judged_steps"] > 0 and audit["offloaded_bytes"] > 0, (r["run"], audit)
+    assert audit["overlap_bytes"] == {"parameter": 0, "main_grad": 0, "te_workspace": 0}, (r["run"], audit)
+    assert audit["protected_bytes"]["parameter"] > 0
+    if workspaces:  # the check is not vacuous: FP8 weight workspaces existed while we offloaded
+        assert audit["protected_bytes"]["te_workspace"] > 0, (r["run"], audit)
+
+
+@pytest.mark.parametrize(("config", "sets", "points"), [
+    ("A", ["core_attn", DENSE_POINTS], ["qkv_linear", "core_attn", "attn_proj"]),
+    ("C", ["expert_fc1+moe_act", ALL_POINTS], ["qkv_linear", "core_attn", "attn_proj", "expert_fc1", "moe_act"]),
+], ids=["dense", "moe"])
+def test_fp8_delayed_scaling_each_point_equal_loss_and_no_parameter_or_workspace_offloaded(tmp_path, config,
+                                                                                          sets, points):
+    rows = peak_memory(tmp_path, config, sets, f"{SMALL} --fp8 hybrid --audit-offloaded")
+    for r in rows:
+        assert_audit_clean(r, workspaces=True)
+    every = rows[-1]["offloaded_bytes_by_point"]  # the set with every point of the model
+    assert all(every.get(p, 0) > 0 for p in points), every
+
+
+@pytest.mark.parametrize("extra", ["--attention-backend flash", "--attention-backend fused"],
+                         ids=["flash", "cudnn-fused"])
+def test_te_fused_attention_backends_equal_loss_and_lower_peak(tmp_path, extra):
+    for r in peak_memory(tmp_path, "A", ["core_attn", "qkv_linear+core_attn+attn_proj"],
+                         f"{SMALL} {extra} --audit-offloaded"):
+        assert_audit_clean(r, workspaces=False)
+
+
+def test_eval_every_2_steps_offloads_nothing_and_training_keeps_its_savings(tmp_path):
+    for r in peak_memory(tmp_path, "A", ["core_attn", "qkv_linear+core_attn+attn_proj"],
+                         f"{SMALL} --eval-interval 2 --eval-iters 2"):
+        assert r["offload_steps"] == 10  # the 5 evaluations (forward-only) added no offloading step
 
 
 def test_200_steps_allocated_memory_equals_the_baseline_and_pinned_memory_is_flat(tmp_path):
-    for r in peak_memory(tmp_path, "A", ["core_attn"], iters=200):
+    for r in peak_memory(tmp_path, "A", ["core_attn"], SMALL, iters=200):
         assert r["allocated_after_step_max_abs_diff_bytes"] <= 1 * MiB
 
 

@@ -57,6 +57,7 @@ class Entry:
     users: int = 0  # groups whose backward has not finished yet
     storage_ref: Any = None  # weakref to the original device storage
     off_device: bool = False  # the original storage is freed and no reloaded copy exists yet
+    device_ptr: int = 0  # the original storage's address (audits: never a parameter's or a workspace's)
 
 
 class SavedRef:
@@ -281,7 +282,7 @@ class ChunkOffloadHandler(HandlerBase):
             return
         hosts, event = self.transport.to_host([st for _, st, _ in to_copy], [refs[0].tensor for _, _, refs in to_copy])
         for (ptr, st, refs), host in zip(to_copy, hosts):
-            entry = Entry(point=refs[0].group.name, nbytes=st.nbytes(), host=host, d2h_event=event)
+            entry = Entry(point=refs[0].group.name, nbytes=st.nbytes(), host=host, d2h_event=event, device_ptr=ptr)
             entry.storage_ref = weakref.ref(st, self._released_callback(ptr, entry))
             self.live[ptr] = entry
             self.manager.on_offloaded(entry)

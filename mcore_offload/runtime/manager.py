@@ -58,6 +58,9 @@ class OffloadManager:
         self.summary = OffloadSummary()
         self._announced: set[str] = set()
         self.auto: AutoPlanner | None = None  # offload_modules=["auto"...]: probe, then a plan
+        # Opt-in audit (tests, ``pretrain_gpt.py --audit-offloaded``): set to a list and every offloaded
+        # storage appends (device address, bytes); the caller checks them against what must stay.
+        self.offload_log: list[tuple[int, int]] | None = None
         self.reset_step()
 
     def reset_step(self) -> None:
@@ -207,6 +210,8 @@ class OffloadManager:
 
     # ------------------------------------------------------------------------------------ counters
     def on_offloaded(self, entry: Entry) -> None:
+        if self.offload_log is not None:
+            self.offload_log.append((entry.device_ptr, entry.nbytes))
         self.summary.add(entry.point, "offloaded", entry.nbytes)
         self.summary.host_resident(+entry.nbytes)
 
