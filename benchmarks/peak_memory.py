@@ -264,8 +264,8 @@ def rows_for(runs: list[Run], hardware: dict) -> list[dict]:
                 # after-step allocated memory against the baseline's, step by step (issue 6: leaks)
                 "allocated_after_step_max_abs_diff_bytes": _max_abs_diff(
                     r.get("allocated_after_step"), b.get("allocated_after_step") if b else None),
-                "audit": r.get("audit"),
-                "offload_steps": r.get("offload", {}).get("steps"),  # steps that offloaded (eval steps must not)  # --extra=--audit-offloaded: protected bytes offloaded (must be 0)
+                "audit": r.get("audit"),  # --extra=--audit-offloaded: protected bytes offloaded (must be 0)
+                "offload_steps": r.get("offload", {}).get("steps"),  # steps that offloaded (eval steps must not)
                 "hardware": hardware, "versions": r["versions"], "run": run.name,
             })
     return rows
