@@ -143,6 +143,9 @@ class ChunkOffloadHandler(HandlerBase):
         self.vp_stage = vp_stage
         self.microbatch = microbatch
         self.device = device
+        # what Tensor.get_device() answers for tensors on ``device`` (-1 on the CPU)
+        self.device_index = device.index if device.index is not None else (
+            torch.cuda.current_device() if device.type == "cuda" else -1)
         self.min_numel = min_numel
         self.not_offloadable = not_offloadable
         self.transport = transport_for(device)
@@ -166,29 +169,34 @@ class ChunkOffloadHandler(HandlerBase):
 
     # --------------------------------------------------------------------------------- pack / unpack
     def ineligible_reason(self, t: torch.Tensor) -> str | None:
-        """Why ``t`` stays on the device (None: it may be offloaded)."""
-        if isinstance(t, torch.nn.Parameter):
-            return "parameter"
-        if type(t) is not torch.Tensor or t.layout is not torch.strided:
+        """Why ``t`` stays on the device (None: it may be offloaded).
+
+        Runs for every saved tensor: the cheapest tests come first, and ``type(...) is`` replaces
+        ``isinstance(t, Parameter)``, whose metaclass check is Python code.
+        """
+        if type(t) is not torch.Tensor:
+            return "parameter" if isinstance(t, torch.nn.Parameter) else "tensor subclass or layout"
+        if t.layout is not torch.strided:
             return "tensor subclass or layout"
-        if t.device != self.device:
+        if t.get_device() != self.device_index:
             return "other device"
+        storage = t.untyped_storage()
         # The threshold applies to the storage: grouped GEMMs save one small view per expert of a
         # single large buffer, and it is the buffer that moves.
-        if t.untyped_storage().nbytes() < self.min_numel * t.element_size():
+        if storage.nbytes() < self.min_numel * t.element_size():
             return "under min_offloaded_tensor_size"
-        if t.is_conj() or t.is_neg():
-            return "lazy conj/neg view"
         # Only a tensor without a base is a true leaf: a view saved by ``ctx.save_for_backward`` inside a
         # custom Function (TE's grouped GEMM saves one split per expert) reports requires_grad and is_leaf.
         if t.requires_grad and t.is_leaf and t._base is None:
             return "parameter"
-        if getattr(t, "offloading_activation", True) is False:  # upstream's "do not offload" mark
-            return "marked not offloadable"
         # Views of parameters are recognised by their storage: inside a custom autograd Function a view
         # of an activation can report a leaf ``_base`` (TE's grouped GEMM splits did), so ``_base`` is no test.
-        if t.untyped_storage().data_ptr() in self.not_offloadable:
+        if storage.data_ptr() in self.not_offloadable:
             return "parameter or main_grad storage"
+        if t.is_conj() or t.is_neg():
+            return "lazy conj/neg view"
+        if getattr(t, "offloading_activation", True) is False:  # upstream's "do not offload" mark
+            return "marked not offloadable"
         return None
 
     def tensor_push(self, tensor: torch.Tensor, group: Group | None = None, **kwargs: Any) -> Any:
@@ -266,10 +274,12 @@ class ChunkOffloadHandler(HandlerBase):
             if entry is not None:  # already offloaded by an earlier group of this chunk
                 self._attach(entry, refs)
                 continue
-            covered = sum(
-                t.numel() * t.element_size()
-                for t in {_view_key(r.tensor): r.tensor for r in refs}.values()
-            )
+            if len(refs) == 1:  # the common case, without the dict of distinct views (and no local
+                # name for the tensor: _held_elsewhere counts Python references)
+                covered = refs[0].tensor.numel() * refs[0].tensor.element_size()
+            else:
+                covered = sum(t.numel() * t.element_size()
+                              for t in {_view_key(r.tensor): r.tensor for r in refs}.values())
             if covered < MIN_STORAGE_COVERAGE * st.nbytes():
                 continue
             if _held_elsewhere(st, refs):
