@@ -10,6 +10,8 @@ compatibility issue and checks its ``results.json``; multi-GPU layouts skip when
 
 from __future__ import annotations
 
+import gc
+import importlib.util
 import json
 import os
 import subprocess
@@ -78,12 +80,14 @@ def test_cuda_bitwise_equal_pinned_pool_warm_after_step_0_and_telemetry():
     assert summary.host_resident_bytes == 0
 
 
-@pytest.mark.parametrize("exc", [RuntimeError("injected"), KeyboardInterrupt()], ids=["exception", "interrupt"])
+@pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt], ids=["exception", "interrupt"])
 def test_a_fault_inside_a_forward_leaves_nothing_and_the_next_step_is_normal(exc):
     base = cuda_run([], steps=3)
+    gc.collect()  # the toy's patched layer is a reference cycle: its model goes with the collector
     torch.cuda.synchronize()
     allocated_before = torch.cuda.memory_allocated()
-    got = cuda_run(["core_attn", "attn_proj"], steps=3, fail_at=(1, 1, exc))
+    # a fresh exception: one instance shared across runs would keep its traceback's frames (activations) alive
+    got = cuda_run(["core_attn", "attn_proj"], steps=3, fail_at=(1, 1, exc("injected")))
     held = sum(g.numel() * g.element_size() for r in got if r is not None for g in r[1])
     assert got[1] is None and same(got[0], base[0]) and same(got[2], base[2])
     manager, summary = get_manager(), get_summary()
@@ -93,6 +97,7 @@ def test_a_fault_inside_a_forward_leaves_nothing_and_the_next_step_is_normal(exc
     assert summary.steps[2].host_buffer_allocations == 0  # the pool survived the fault, nothing leaked
     for t in _TRANSPORTS.values():
         assert t.d2h_stream.query() and t.h2d_stream.query()  # no copy left in flight
+    gc.collect()
     torch.cuda.synchronize()
     # the toy and its activations are gone; what remains is what was there before plus the grads kept in `got`
     assert torch.cuda.memory_allocated() <= allocated_before + held + 1 * MiB
@@ -151,7 +156,7 @@ def assert_audit_clean(r: dict, workspaces: bool) -> None:
 
 @pytest.mark.parametrize(("config", "sets", "points"), [
     ("A", ["core_attn", DENSE_POINTS], ["qkv_linear", "core_attn", "attn_proj"]),
-    ("C", ["expert_fc1+moe_act", ALL_POINTS], ["qkv_linear", "core_attn", "attn_proj", "expert_fc1", "moe_act"]),
+    ("C", [ALL_POINTS], ["qkv_linear", "core_attn", "attn_proj", "expert_fc1", "moe_act"]),
 ], ids=["dense", "moe"])
 def test_fp8_delayed_scaling_each_point_equal_loss_and_no_parameter_or_workspace_offloaded(tmp_path, config,
                                                                                           sets, points):
@@ -162,17 +167,18 @@ def test_fp8_delayed_scaling_each_point_equal_loss_and_no_parameter_or_workspace
     assert all(every.get(p, 0) > 0 for p in points), every
 
 
-@pytest.mark.parametrize("extra", ["--attention-backend flash", "--attention-backend fused"],
-                         ids=["flash", "cudnn-fused"])
-def test_te_fused_attention_backends_equal_loss_and_lower_peak(tmp_path, extra):
-    for r in peak_memory(tmp_path, "A", ["core_attn", "qkv_linear+core_attn+attn_proj"],
-                         f"{SMALL} {extra} --audit-offloaded"):
+@pytest.mark.parametrize("backend", ["flash", "fused"], ids=["flash", "cudnn-fused"])
+def test_te_fused_attention_backends_equal_loss_and_lower_peak(tmp_path, backend):
+    if backend == "flash" and importlib.util.find_spec("flash_attn") is None:
+        # TE's flash backend is the flash-attn package; without it TE finds no backend (seen on the GPU host)
+        pytest.skip("flash-attn is not installed here, so TransformerEngine has no flash backend")
+    for r in peak_memory(tmp_path, "A", ["core_attn"], f"{SMALL} --attention-backend {backend} --audit-offloaded"):
         assert_audit_clean(r, workspaces=False)
 
 
 def test_eval_every_2_steps_offloads_nothing_and_training_keeps_its_savings(tmp_path):
-    for r in peak_memory(tmp_path, "A", ["core_attn", "qkv_linear+core_attn+attn_proj"],
-                         f"{SMALL} --eval-interval 2 --eval-iters 2"):
+    sets = ["qkv_linear+core_attn+attn_proj"]
+    for r in peak_memory(tmp_path, "A", sets, f"{SMALL} --eval-interval 2 --eval-iters 2"):
         assert r["offload_steps"] == 10  # the 5 evaluations (forward-only) added no offloading step
 
 

@@ -7,6 +7,7 @@ hand-off between streams is guarded by an event; on CPU (the test harness) copie
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections import defaultdict
 
@@ -27,32 +28,83 @@ def _set_stream(stream: torch.cuda.Stream) -> None:
         _raw_set_stream(stream_id=stream.stream_id, device_index=stream.device_index, device_type=stream.device_type)
 
 
-class HostBufferPool:
-    """Host buffers reused by exact size; pinned when the device is CUDA.
+def size_class(nbytes: int) -> int:
+    """The capacity a host buffer for ``nbytes`` gets: rounded up to 1/8 of its power of two (<12.5 % waste).
 
-    A buffer handed back carries the event of the last copy that reads it; the next writer makes its
-    stream wait on that event, so reuse never races an H2D still in flight and the host never blocks.
+    Sizes of MoE activations move from step to step (FP8 pads each expert's tokens to a multiple of 16, and
+    routing changes every step); rounding lets a buffer serve every nearby size, so the pool stops allocating.
     """
+    granule = 1 << max(nbytes.bit_length() - 4, 9)
+    return -(-nbytes // granule) * granule
+
+
+def as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over the whole ``storage`` (for copies into or out of part of a larger buffer)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def copy_into_host(buf: torch.Tensor, storage: torch.UntypedStorage, non_blocking: bool = False) -> None:
+    if buf._base is None:  # the buffer is exactly the storage's size: the cheaper storage copy
+        buf.untyped_storage().copy_(storage, non_blocking=non_blocking)
+    else:
+        buf.copy_(as_bytes(storage), non_blocking=non_blocking)
+
+
+def copy_from_host(storage: torch.UntypedStorage, host: torch.Tensor, non_blocking: bool = False) -> None:
+    if host._base is None:
+        storage.copy_(host.untyped_storage(), non_blocking=non_blocking)
+    else:
+        as_bytes(storage).copy_(host, non_blocking=non_blocking)
+
+
+class HostBufferPool:
+    """Host buffers reused by size class (:func:`size_class`); pinned when the device is CUDA.
+
+    ``acquire(n)`` hands out a uint8 tensor of exactly ``n`` bytes: the buffer itself, or its first ``n``
+    bytes when the buffer is larger. A buffer handed back carries the event of the last copy that reads it;
+    the next writer makes its stream wait on that event, so reuse never races an H2D still in flight and the
+    host never blocks.
+    """
+
+    #: a free buffer of a larger class is taken if it is at most this much larger than the request's class
+    MAX_OVERSIZE = 1.25
 
     def __init__(self, pin: bool) -> None:
         self.pin = pin
         self._free: dict[int, list[tuple[torch.Tensor, object]]] = defaultdict(list)
+        self._classes: list[int] = []  # sorted keys of _free
         self.allocations = 0
         self.allocated_bytes = 0
 
     def acquire(self, nbytes: int) -> tuple[torch.Tensor, object]:
-        free = self._free.get(nbytes)
+        cap = size_class(nbytes)
+        free = self._free.get(cap)
+        if not free:
+            free = None
+            i = bisect.bisect_right(self._classes, cap)
+            while i < len(self._classes) and self._classes[i] <= cap * self.MAX_OVERSIZE:
+                if self._free[self._classes[i]]:
+                    free = self._free[self._classes[i]]
+                    break
+                i += 1
         if free:
-            return free.pop()
-        self.allocations += 1
-        self.allocated_bytes += nbytes
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin), None
+            buf, event = free.pop()
+        else:
+            self.allocations += 1
+            self.allocated_bytes += cap
+            buf, event = torch.empty(cap, dtype=torch.uint8, pin_memory=self.pin), None
+        return (buf if buf.numel() == nbytes else buf[:nbytes]), event
 
     def release(self, buf: torch.Tensor, last_read_event: object) -> None:
-        self._free[buf.numel()].append((buf, last_read_event))
+        base = buf if buf._base is None else buf._base
+        key = base.numel()
+        if key not in self._free:
+            bisect.insort(self._classes, key)
+        self._free[key].append((base, last_read_event))
 
     def clear(self) -> None:
         self._free.clear()
+        self._classes.clear()
 
 
 class Transport:
@@ -75,7 +127,7 @@ class Transport:
         bufs = []
         for storage in storages:
             buf, _ = self.pool.acquire(storage.nbytes())
-            buf.untyped_storage().copy_(storage)
+            copy_into_host(buf, storage)
             bufs.append(buf)
         self.telemetry.span("d2h", None, None, sum(s.nbytes() for s in storages))
         return bufs, None
@@ -88,7 +140,7 @@ class Transport:
         out = []
         for host in hosts:
             st = torch.UntypedStorage(host.numel(), device=device)
-            st.copy_(host.untyped_storage())
+            copy_from_host(st, host)
             out.append(st)
         self.telemetry.span("h2d", None, None, sum(h.numel() for h in hosts))
         return out, None
@@ -137,7 +189,7 @@ class CudaTransport(Transport):
             nbytes = sum(storage.nbytes() for storage in storages)
             start = self.telemetry.mark(self.d2h_stream)
             for storage, buf, user in zip(storages, bufs, keep_alive):
-                buf.untyped_storage().copy_(storage, non_blocking=True)
+                copy_into_host(buf, storage, non_blocking=True)
                 # The caching allocator must not hand this block out before the copy has read it.
                 user.record_stream(self.d2h_stream)
             done = torch.cuda.Event()
@@ -159,7 +211,7 @@ class CudaTransport(Transport):
                 self.h2d_stream.wait_event(event)
             start = self.telemetry.mark(self.h2d_stream)
             for st, host in zip(out, hosts):
-                st.copy_(host.untyped_storage(), non_blocking=True)
+                copy_from_host(st, host, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.h2d_stream)
             self.telemetry.span("h2d", start, self.telemetry.mark(self.h2d_stream), sum(h.numel() for h in hosts))
