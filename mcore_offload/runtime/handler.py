@@ -156,6 +156,9 @@ class ChunkOffloadHandler(HandlerBase):
         """Forget every group (TE's name for it)."""
         self.groups: list[Group] = []  # committed, in commit order
         self.pending: list[Group] = []
+        # every group opened; an exception inside a point leaves its group uncommitted, and finish() must
+        # still cut it loose (see there)
+        self.opened: list[Group] = []
         self.live: dict[int, Entry] = {}  # data_ptr of a still-alive device storage -> its entry
         self.backward_started = False
         self.finished = False
@@ -165,7 +168,9 @@ class ChunkOffloadHandler(HandlerBase):
         self.current_group, self.tensor_count_current_group = 0, 0
 
     def open_group(self, name: str) -> Group:
-        return Group(name, layer=self.layers)
+        group = Group(name, layer=self.layers)
+        self.opened.append(group)
+        return group
 
     # --------------------------------------------------------------------------------- pack / unpack
     def ineligible_reason(self, t: torch.Tensor) -> str | None:
@@ -393,8 +398,8 @@ class ChunkOffloadHandler(HandlerBase):
         if all(g.done for g in self.groups):
             self.finish()
 
-    def finish(self) -> None:
-        """Return host buffers to the pool; the handler holds nothing afterwards."""
+    def finish(self, abort: bool = False) -> None:
+        """Return host buffers to the pool; the handler holds nothing afterwards (``abort``: the step failed)."""
         if self.finished:
             return
         self.finished = True
@@ -413,11 +418,18 @@ class ChunkOffloadHandler(HandlerBase):
                 entry.device_storage = None
         # Drop every reference we hold: tensors kept on the device (last layer, aliased storages) must go
         # when autograd lets go of them, not when the cyclic garbage collector gets round to this handler.
-        for group in self.groups:
+        # After a fault the abandoned graph still holds our SavedRefs, and GroupStart's ctx holds the group:
+        # saved tensor -> grad_fn -> ... -> GroupStart -> group -> SavedRef -> saved tensor is a cycle through
+        # C++ autograd nodes that the collector cannot see, so on abort the SavedRefs let go of their tensors
+        # too. (Not otherwise: a group whose commit was skipped may still be unpacked by a later backward.)
+        for group in self.opened:
+            if abort:
+                for ref in group.refs:
+                    ref.tensor = None
             group.refs.clear()
             for entry in group.entries:
                 entry.storage_ref = None
             group.entries.clear()
-        self.groups, self.pending = [], []
+        self.groups, self.pending, self.opened = [], [], []
         self.live.clear()
         self.manager.on_handler_finished(self)

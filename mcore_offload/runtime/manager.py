@@ -184,7 +184,7 @@ class OffloadManager:
             for h in leftovers:
                 h.transport.synchronize()
         for h in leftovers:
-            h.finish()
+            h.finish(abort=aborted)
         if self.summary.step_has_activity():
             self.summary.close_step(aborted=aborted)
         if self.auto is not None and self._trained and not aborted:
