@@ -97,6 +97,15 @@ def validate_offload_config(config: Any) -> None:
             "offload_modules has 'attn_proj' without 'core_attn': core attention's backward saves the "
             "same tensor, so offloading attn_proj alone frees nothing; add 'core_attn' or drop 'attn_proj'."
         )
+    if ("expert_fc1" in names and getattr(config, "fp8", None) and getattr(config, "num_moe_experts", None)
+            and getattr(config, "moe_grouped_gemm", False)):
+        # Seen on the GPU host (TE 2.9, delayed scaling): GroupedLinear quantizes its inputs as Float8Tensor
+        # subclasses (its quantizers are not "internal"), which the handler leaves on the device.
+        raise ValueError(
+            "offload_modules has 'expert_fc1', but with FP8 TransformerEngine's grouped GEMM "
+            "(moe_grouped_gemm=True) saves the experts' inputs as Float8Tensor objects, which are not offloaded, "
+            "so expert_fc1 would offload nothing; drop 'expert_fc1' (moe_act still offloads) or run without FP8."
+        )
     if getattr(config, "cpu_offloading", False):
         raise ValueError(
             "fine_grained_activation_offloading and cpu_offloading (TransformerEngine's layer-level "

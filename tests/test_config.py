@@ -94,6 +94,17 @@ def test_cuda_graphs_are_refused(graphs):
         validate_offload_config(cfg)
 
 
+def test_fp8_with_grouped_gemm_refuses_expert_fc1_and_keeps_the_rest():
+    # Checked on a plain object: megatron-core's FP8 checks need a GPU build of TE.
+    moe = dict(fp8="hybrid", num_moe_experts=16, moe_grouped_gemm=True, fine_grained_activation_offloading=True,
+               min_offloaded_tensor_size=0)
+    with pytest.raises(ValueError, match=r"'expert_fc1'.*Float8Tensor.*drop 'expert_fc1' \(moe_act still offloads\)"):
+        validate_offload_config(SimpleNamespace(offload_modules=["expert_fc1", "moe_act"], **moe))
+    validate_offload_config(SimpleNamespace(offload_modules=["moe_act", "core_attn"], **moe))
+    for other in (dict(fp8=None), dict(moe_grouped_gemm=False)):  # bf16, or SequentialMLP: accepted
+        validate_offload_config(SimpleNamespace(offload_modules=["expert_fc1"], **{**moe, **other}))
+
+
 def _run_with_megatron(root, code: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.getcwd()]))
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,

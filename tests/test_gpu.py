@@ -141,7 +141,6 @@ def peak_memory(tmp_path, config: str, sets: list[str], extra: str = "", iters: 
 # Correctness runs do not need A's 16 layers: 4 keep every code path and cut each run to its start-up time.
 SMALL = "--num-layers 4"
 DENSE_POINTS = "attn_norm+qkv_linear+core_attn+attn_proj+mlp_norm"
-ALL_POINTS = DENSE_POINTS + "+expert_fc1+moe_act"
 
 
 def assert_audit_clean(r: dict, workspaces: bool) -> None:
@@ -156,7 +155,9 @@ def assert_audit_clean(r: dict, workspaces: bool) -> None:
 
 @pytest.mark.parametrize(("config", "sets", "points"), [
     ("A", ["core_attn", DENSE_POINTS], ["qkv_linear", "core_attn", "attn_proj"]),
-    ("C", [ALL_POINTS], ["qkv_linear", "core_attn", "attn_proj", "expert_fc1", "moe_act"]),
+    # expert_fc1 is refused with FP8 and grouped GEMM (config error, tests/test_config.py): TE saves its inputs
+    # as Float8Tensor objects (seen here: it offloaded nothing)
+    ("C", [DENSE_POINTS + "+moe_act"], ["qkv_linear", "core_attn", "attn_proj", "mlp_norm", "moe_act"]),
 ], ids=["dense", "moe"])
 def test_fp8_delayed_scaling_each_point_equal_loss_and_no_parameter_or_workspace_offloaded(tmp_path, config,
                                                                                           sets, points):
