@@ -49,7 +49,11 @@ def _workspace_tensors(workspace: object) -> list[object]:
 
 
 def protected_ranges(models: Iterable[torch.nn.Module]) -> dict[str, list[tuple[int, int]]]:
-    """Address ranges ``[start, end)`` of every storage that must stay on the device, by kind."""
+    """Address ranges ``[start, end)`` of every storage that must stay on the device, by kind.
+
+    Walks the model itself rather than reusing the manager's ``_parameter_storages``: an audit that shared
+    the mechanism it checks would agree with any bug in it.
+    """
     found: dict[str, set[tuple[int, int]]] = {k: set() for k in KINDS}
     for model in models:
         for p in model.parameters():
