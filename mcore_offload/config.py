@@ -67,6 +67,18 @@ def _full_recompute_of_every_layer(config: Any) -> bool:
     return int(getattr(config, "recompute_num_layers", 0) or 0) >= per_chunk
 
 
+def _selectively_recomputed(config: Any) -> set[str]:
+    """The selective-recompute modules megatron-core will use; this runs before its ``__post_init__`` fills the
+    default (``None`` means ``["core_attn"]``) and turns the deprecated ``moe_layer_recompute`` into ``"moe"``."""
+    modules: set[str] = set()
+    if getattr(config, "recompute_granularity", None) == "selective":
+        listed = getattr(config, "recompute_modules", None)
+        modules.update(["core_attn"] if listed is None else listed)
+    if getattr(config, "moe_layer_recompute", False):
+        modules.add("moe")
+    return modules
+
+
 def validate_offload_config(config: Any) -> None:
     """Check the offload fields of a megatron-core ``TransformerConfig``; raise one actionable ``ValueError``.
 
@@ -92,7 +104,16 @@ def validate_offload_config(config: Any) -> None:
             "fine_grained_activation_offloading=True needs at least one name in offload_modules: "
             f"choose from {_allowed()}."
         )
-    if "attn_proj" in names and "core_attn" not in names:
+    recomputed = _selectively_recomputed(config)
+    for point, module in (("core_attn", "core_attn"), ("expert_fc1", "moe"), ("moe_act", "moe")):
+        if point in names and module in recomputed:
+            raise ValueError(
+                f"offload_modules has '{point}', but selective recompute of '{module}' (recompute_modules) runs "
+                f"it under a checkpoint whose forward saves nothing for backward, so '{point}' would offload "
+                f"nothing; drop '{point}' from offload_modules or '{module}' from recompute_modules."
+            )
+    # Under core_attn recompute the checkpoint does not keep attention's output, so attn_proj frees it alone.
+    if "attn_proj" in names and "core_attn" not in names and "core_attn" not in recomputed:
         raise ValueError(
             "offload_modules has 'attn_proj' without 'core_attn': core attention's backward saves the "
             "same tensor, so offloading attn_proj alone frees nothing; add 'core_attn' or drop 'attn_proj'."

@@ -56,11 +56,26 @@ def test_fields_have_upstream_names_types_and_defaults():
         (dict(offload_modules=["core_attn"], recompute_granularity="full", recompute_method="block",
               recompute_num_layers=2),
          r"nothing to offload when full recompute covers every layer"),
+        # selective recompute checkpoints these points' forward, which then saves nothing (None = megatron's default)
+        (dict(offload_modules=["qkv_linear", "core_attn"], recompute_granularity="selective"),
+         r"has 'core_attn', but selective recompute of 'core_attn'.*offload nothing; drop 'core_attn' from "
+         r"offload_modules or 'core_attn' from recompute_modules\."),
+        (dict(offload_modules=["expert_fc1"], recompute_granularity="selective", recompute_modules=["moe"],
+              num_moe_experts=4), r"has 'expert_fc1', but selective recompute of 'moe'"),
+        (dict(offload_modules=["moe_act"], moe_layer_recompute=True, num_moe_experts=4),
+         r"has 'moe_act', but selective recompute of 'moe'"),
     ],
 )
 def test_each_validation_error(kwargs, message):
     with pytest.raises(ValueError, match=message):
         make_config(fine_grained_activation_offloading=True, **kwargs)
+
+
+def test_selective_recompute_keeps_the_points_it_does_not_checkpoint():
+    cfg = make_config(fine_grained_activation_offloading=True, recompute_granularity="selective",
+                      recompute_modules=["core_attn", "layernorm"],
+                      offload_modules=["attn_norm", "qkv_linear", "attn_proj", "mlp_norm"])
+    assert cfg.recompute_modules == ["core_attn", "layernorm"]  # attn_proj alone: the checkpoint keeps no output
 
 
 def test_block_recompute_of_some_layers_is_accepted():
