@@ -76,6 +76,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--seed", type=int, default=1234)
     a("--deterministic", action="store_true",
       help="deterministic kernels (torch deterministic algorithms, TE deterministic attention)")
+    a("--cpu-bind", default="none", choices=["none", "gpu-local", "compact"],
+      help="bind the rank to CPU cores (benchmarks/cpu_affinity.py): the GPU's NUMA node, or a block of it")
+    a("--cpu-bind-cores", type=int, default=4, help="with --cpu-bind compact: cores per rank")
     a("--manual-gc", action="store_true",
       help="as in Megatron-LM: no automatic Python garbage collection; collect between steps (untimed)")
     a("--manual-gc-interval", type=int, default=1, help="with --manual-gc: collect every K steps")
@@ -104,7 +107,12 @@ def init_distributed(args) -> torch.device:
 
     cuda = torch.cuda.is_available()
     if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from cpu_affinity import bind
+
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        args.cpus = bind(args.cpu_bind, local_rank, args.cpu_bind_cores)
+        torch.cuda.set_device(local_rank)
     dist.init_process_group(backend="nccl" if cuda else "gloo")
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
@@ -509,6 +517,7 @@ def main(argv=None) -> int:
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "memory_timeline_MiB": [(w, round(b / 2**20, 1)) for w, b in TIMELINE or []],
         "offload_modules": args.offload_modules if args.fine_grained_activation_offloading else [],
+        "cpu_bind": args.cpu_bind, "cpus": getattr(args, "cpus", None), "loadavg": os.getloadavg(),
         "gc_ms": gc_clock.per_step, "gc_collections": gc_clock.collections,
         "gc_ms_median": statistics.median(gc_clock.per_step[args.warmup_steps:] or gc_clock.per_step),
     }
