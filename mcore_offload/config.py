@@ -79,6 +79,32 @@ def _selectively_recomputed(config: Any) -> set[str]:
     return modules
 
 
+_NOTHING_SAVED = "runs it under a checkpoint whose forward saves nothing for backward, so it would offload nothing"
+# CheckpointWithoutOutput reads its inputs' .grad in backward; under any saved-tensor hooks (offloading's
+# mechanism) PyTorch hands back new tensor objects on unpack, whose .grad stays None: the gradient into the
+# checkpoint's input is lost (loss diverged from the baseline on the GPU host; tests/test_offload_recompute.py).
+_WRONG_GRADIENT = ("runs it under CheckpointWithoutOutput, whose backward loses its input's gradient while "
+                   "saved-tensor hooks (how offloading works) are active around it, so gradients would be wrong")
+#: (offload point, selective-recompute module) -> why they cannot be combined
+_CONFLICT_REASONS: dict[tuple[str, str], str] = {
+    ("core_attn", "core_attn"): _NOTHING_SAVED,
+    ("expert_fc1", "moe"): _NOTHING_SAVED,
+    ("moe_act", "moe"): _NOTHING_SAVED,
+    ("attn_norm", "layernorm"): _WRONG_GRADIENT,
+    ("mlp_norm", "layernorm"): _WRONG_GRADIENT,
+    ("moe_act", "moe_act"): _WRONG_GRADIENT,
+}
+
+
+def recompute_conflicts(config: Any) -> dict[str, str]:
+    """Offload points that this config's selective recompute rules out, each with the recompute module.
+
+    Explicit names are refused by :func:`validate_offload_config`; ``auto`` leaves these points out.
+    """
+    recomputed = _selectively_recomputed(config)
+    return {point: module for point, module in _CONFLICT_REASONS if module in recomputed}
+
+
 def validate_offload_config(config: Any) -> None:
     """Check the offload fields of a megatron-core ``TransformerConfig``; raise one actionable ``ValueError``.
 
@@ -105,12 +131,12 @@ def validate_offload_config(config: Any) -> None:
             f"choose from {_allowed()}."
         )
     recomputed = _selectively_recomputed(config)
-    for point, module in (("core_attn", "core_attn"), ("expert_fc1", "moe"), ("moe_act", "moe")):
-        if point in names and module in recomputed:
+    for point, module in recompute_conflicts(config).items():
+        if point in names:
             raise ValueError(
-                f"offload_modules has '{point}', but selective recompute of '{module}' (recompute_modules) runs "
-                f"it under a checkpoint whose forward saves nothing for backward, so '{point}' would offload "
-                f"nothing; drop '{point}' from offload_modules or '{module}' from recompute_modules."
+                f"offload_modules has '{point}', but selective recompute of '{module}' (recompute_modules) "
+                f"{_CONFLICT_REASONS[(point, module)]}; drop '{point}' from offload_modules or '{module}' "
+                "from recompute_modules."
             )
     # Under core_attn recompute the checkpoint does not keep attention's output, so attn_proj frees it alone.
     if "attn_proj" in names and "core_attn" not in names and "core_attn" not in recomputed:

@@ -64,6 +64,16 @@ def test_fields_have_upstream_names_types_and_defaults():
               num_moe_experts=4), r"has 'expert_fc1', but selective recompute of 'moe'"),
         (dict(offload_modules=["moe_act"], moe_layer_recompute=True, num_moe_experts=4),
          r"has 'moe_act', but selective recompute of 'moe'"),
+        # CheckpointWithoutOutput inside the point: its input gradient is lost under saved-tensor hooks
+        (dict(offload_modules=["qkv_linear", "mlp_norm"], recompute_granularity="selective",
+              recompute_modules=["layernorm"]),
+         r"has 'mlp_norm', but selective recompute of 'layernorm' \(recompute_modules\) runs it under "
+         r"CheckpointWithoutOutput.*gradients would be wrong; drop 'mlp_norm' from offload_modules"),
+        (dict(offload_modules=["attn_norm"], recompute_granularity="selective", recompute_modules=["layernorm"]),
+         r"has 'attn_norm', but selective recompute of 'layernorm'"),
+        (dict(offload_modules=["expert_fc1", "moe_act"], recompute_granularity="selective",
+              recompute_modules=["moe_act"], num_moe_experts=4, moe_grouped_gemm=True),
+         r"has 'moe_act', but selective recompute of 'moe_act'.*gradients would be wrong"),
     ],
 )
 def test_each_validation_error(kwargs, message):
@@ -73,9 +83,21 @@ def test_each_validation_error(kwargs, message):
 
 def test_selective_recompute_keeps_the_points_it_does_not_checkpoint():
     cfg = make_config(fine_grained_activation_offloading=True, recompute_granularity="selective",
-                      recompute_modules=["core_attn", "layernorm"],
-                      offload_modules=["attn_norm", "qkv_linear", "attn_proj", "mlp_norm"])
-    assert cfg.recompute_modules == ["core_attn", "layernorm"]  # attn_proj alone: the checkpoint keeps no output
+                      recompute_modules=["core_attn", "layernorm", "moe_act"], num_moe_experts=4,
+                      moe_grouped_gemm=True, offload_modules=["qkv_linear", "attn_proj", "expert_fc1"])
+    # attn_proj alone: the core_attn checkpoint keeps no output
+    assert cfg.recompute_modules == ["core_attn", "layernorm", "moe_act"]
+
+
+def test_auto_leaves_out_the_points_recompute_rules_out():
+    from mcore_offload.runtime.manager import point_enabled
+
+    cfg = make_config(fine_grained_activation_offloading=True, offload_modules=["auto"],
+                      recompute_granularity="selective", recompute_modules=["layernorm", "core_attn"])
+    enabled = {p for p in OFFLOAD_MODULES if point_enabled(cfg, p)}
+    assert enabled == set(OFFLOAD_MODULES) - {"attn_norm", "mlp_norm", "core_attn"}
+    plain = make_config(fine_grained_activation_offloading=True, offload_modules=["auto"])
+    assert {p for p in OFFLOAD_MODULES if point_enabled(plain, p)} == set(OFFLOAD_MODULES)
 
 
 def test_block_recompute_of_some_layers_is_accepted():

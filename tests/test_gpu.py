@@ -188,19 +188,19 @@ def test_200_steps_allocated_memory_equals_the_baseline_and_pinned_memory_is_fla
         assert r["allocated_after_step_max_abs_diff_bytes"] <= 1 * MiB
 
 
-# Selective recompute with the points around each recomputed module offloaded. With the TE spec, layernorm
-# recompute acts on MoE layers' separate pre-MLP norm (dense layers fuse their norms into TE linears, where
-# megatron-core skips it); the dense row still exercises core_attn recompute next to offloaded neighbours.
+# Selective recompute with the points around each recomputed module offloaded (the points a recompute wraps
+# are refused: tests/test_config.py). The dense row checks core_attn recompute next to its neighbours (the TE
+# dense spec fuses both norms, so megatron-core skips layernorm recompute there); the MoE row layernorm
+# recompute of the separate pre-MLP norm and moe_act recompute (TEGroupedMLP) next to expert_fc1.
 @pytest.mark.parametrize(("config", "recompute", "sets"), [
-    ("A", "layernorm core_attn", ["attn_norm+qkv_linear+mlp_norm", "qkv_linear+attn_proj"]),
-    ("C", "layernorm moe_act", ["expert_fc1+moe_act", "mlp_norm+expert_fc1+qkv_linear"]),
+    ("A", "layernorm core_attn", ["qkv_linear+attn_proj"]),
+    ("C", "layernorm moe_act", ["expert_fc1", "qkv_linear+core_attn+attn_proj+expert_fc1"]),
 ], ids=["dense", "moe"])
 def test_selective_recompute_with_the_neighbouring_points_offloaded_equal_loss(tmp_path, config, recompute, sets):
     flags = f"{SMALL} --recompute-granularity selective --recompute-modules {recompute}"
     for r in peak_memory(tmp_path, config, sets, flags):
         got = r["offloaded_bytes_by_point"]
-        # every point that is not checkpointed offloads (attn_norm and mlp_norm only where a norm is separate)
-        assert all(got.get(p, 0) > 0 for p in r["offload_modules"] if p not in ("attn_norm", "mlp_norm")), got
+        assert all(got.get(p, 0) > 0 for p in r["offload_modules"]), got
 
 
 @pytest.mark.parametrize(("config", "nproc"), [("E-tp2sp", 2), ("E-ep2", 2), ("E-pp2vpp2tp2", 4)])

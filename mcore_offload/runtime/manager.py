@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from mcore_offload.config import recompute_conflicts
 from mcore_offload.runtime.auto import AUTO, AutoPlanner, Plan, clock_mark, elapsed_ms, parse_auto
 from mcore_offload.runtime.handler import ChunkOffloadHandler, Entry, Group
 from mcore_offload.runtime.transport import reset_transports
@@ -37,7 +38,16 @@ def point_enabled(config: Any, name: str | None) -> bool:
     if name is None or not getattr(config, "fine_grained_activation_offloading", False):
         return False
     modules = config.offload_modules or ()
-    return name in modules or (len(modules) == 1 and modules[0].startswith(AUTO))
+    if name in modules:
+        return True
+    if len(modules) == 1 and modules[0].startswith(AUTO):
+        # auto may choose any point but those the config's recompute rules out (cached: a hot path)
+        excluded = getattr(config, "_mcore_offload_auto_excluded", None)
+        if excluded is None:
+            excluded = frozenset(recompute_conflicts(config))
+            object.__setattr__(config, "_mcore_offload_auto_excluded", excluded)
+        return name not in excluded
+    return False
 
 
 def _parameter_storages(model: torch.nn.Module) -> tuple[torch.device | None, set[int]]:
