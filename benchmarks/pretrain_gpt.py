@@ -28,6 +28,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 logger = logging.getLogger("pretrain_gpt")
+# caching-allocator counters recorded per step (torch.cuda.memory_stats keys)
+ALLOCATOR_COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -440,6 +442,7 @@ def main(argv=None) -> int:
         gc.collect()
         gc.disable()
     peak_step1, at_peak = None, None
+    allocator: dict[str, list[int]] = {key: [] for key in ALLOCATOR_COUNTERS}
     prof = None
     audit = None
     if ours and args.audit_offloaded:
@@ -498,6 +501,10 @@ def main(argv=None) -> int:
             loss = None
         losses.append(loss)
         allocated_after.append(torch.cuda.memory_allocated() if cuda else None)
+        if cuda:  # untimed: device mallocs / frees / retries in the step (each costs ms; a free syncs)
+            stats = torch.cuda.memory_stats()
+            for key in ALLOCATOR_COUNTERS:
+                allocator[key].append(stats.get(key, 0) - sum(allocator[key]))
         if args.eval_interval and (step + 1) % args.eval_interval == 0:
             eval_losses.append(evaluate(args, chunks, fb, step))
         if rank == 0 and step % args.log_interval == 0 or (loss is not None and rank == world - 1
@@ -517,6 +524,7 @@ def main(argv=None) -> int:
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "memory_timeline_MiB": [(w, round(b / 2**20, 1)) for w, b in TIMELINE or []],
         "offload_modules": args.offload_modules if args.fine_grained_activation_offloading else [],
+        "allocator_per_step": allocator if cuda else None,
         "cpu_bind": args.cpu_bind, "cpus": getattr(args, "cpus", None), "loadavg": os.getloadavg(),
         "gc_ms": gc_clock.per_step, "gc_collections": gc_clock.collections,
         "gc_ms_median": statistics.median(gc_clock.per_step[args.warmup_steps:] or gc_clock.per_step),

@@ -33,5 +33,6 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob("*-*-[0-9].json")):
     t = r["step_ms"][5:]
     q = sorted(t)
     print(f"{f.stem:24s} median {st.median(t):7.1f}  q10 {q[len(q) // 10]:7.1f}  min {q[0]:7.1f} ms  "
-          f"host {r.get('runtime_cpu_ms')}  cpus {len(r.get('cpus') or [])}  load {r.get('loadavg')}")
+          f"host {r.get('runtime_cpu_ms')}  cpus {len(r.get('cpus') or [])}  load {r.get('loadavg')}  "
+          f"device mallocs/frees after step 1: {[sum(v[2:]) for v in (r.get('allocator_per_step') or {}).values()]}")
 PY
