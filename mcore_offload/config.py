@@ -96,13 +96,19 @@ _CONFLICT_REASONS: dict[tuple[str, str], str] = {
 }
 
 
-def recompute_conflicts(config: Any) -> dict[str, str]:
-    """Offload points that this config's selective recompute rules out, each with the recompute module.
-
-    Explicit names are refused by :func:`validate_offload_config`; ``auto`` leaves these points out.
-    """
-    recomputed = _selectively_recomputed(config)
+def recompute_conflicts(config: Any, recomputed: set[str] | None = None) -> dict[str, str]:
+    """Offload points that this config's selective recompute (or the ``recomputed`` modules) rules out,
+    each with the recompute module. Explicit names are refused; ``auto`` leaves these points out."""
+    if recomputed is None:
+        recomputed = _selectively_recomputed(config)
     return {point: module for point, module in _CONFLICT_REASONS if module in recomputed}
+
+
+def recompute_conflict_message(point: str, module: str) -> str:
+    """The one-sentence refusal of offloading ``point`` under selective recompute of ``module``."""
+    return (f"offload_modules has '{point}', but selective recompute of '{module}' (recompute_modules) "
+            f"{_CONFLICT_REASONS[(point, module)]}; drop '{point}' from offload_modules or '{module}' "
+            "from recompute_modules.")
 
 
 def validate_offload_config(config: Any) -> None:
@@ -131,13 +137,9 @@ def validate_offload_config(config: Any) -> None:
             f"choose from {_allowed()}."
         )
     recomputed = _selectively_recomputed(config)
-    for point, module in recompute_conflicts(config).items():
+    for point, module in recompute_conflicts(config, recomputed).items():
         if point in names:
-            raise ValueError(
-                f"offload_modules has '{point}', but selective recompute of '{module}' (recompute_modules) "
-                f"{_CONFLICT_REASONS[(point, module)]}; drop '{point}' from offload_modules or '{module}' "
-                "from recompute_modules."
-            )
+            raise ValueError(recompute_conflict_message(point, module))
     # Under core_attn recompute the checkpoint does not keep attention's output, so attn_proj frees it alone.
     if "attn_proj" in names and "core_attn" not in names and "core_attn" not in recomputed:
         raise ValueError(

@@ -234,16 +234,16 @@ def test_recompute_interaction():
     assert core.points["qkv_linear"].offloaded_bytes == 32 * MIB
     moe = acts(MOE, ("moe",), True)
     assert moe.points["expert_fc1"].offloaded_bytes == moe.points["moe_act"].offloaded_bytes == 0
-    # moe_act's checkpoint saves fc1's output inside the point: it still moves; the act output is not stored.
+    # moe_act's checkpoint keeps fc1's output (the act output is not stored), but the point is refused there
     act = acts(MOE, ("moe_act",), True)
     plain = layer_activations(MOE, ParallelLayout(), training(), moe=True)
-    assert act.points["moe_act"].offloaded_bytes == 64 * MIB
+    assert act.points["moe_act"].offloaded_bytes == 0 and "refused" in act.points["moe_act"].note
     assert plain.total_bytes - act.total_bytes == 32 * MIB
     local = training(transformer_impl="local", recompute_granularity="selective", recompute_modules=("layernorm",))
     norms = layer_activations(DENSE, ParallelLayout(), local, moe=False)
-    # the norm's checkpoint still saves its input inside the point; its output (qkv's input) is discarded
-    assert norms.points["attn_norm"].offloaded_bytes == norms.points["mlp_norm"].offloaded_bytes == 16 * MIB
-    assert norms.points["attn_norm"].first_layer_bytes == 0 and norms.points["qkv_linear"].offloaded_bytes == 0
+    # the norms' checkpoints keep their inputs (refused points); their outputs (qkv's input) are discarded
+    assert norms.points["attn_norm"].offloaded_bytes == norms.points["mlp_norm"].offloaded_bytes == 0
+    assert "refused" in norms.points["mlp_norm"].note and norms.points["qkv_linear"].offloaded_bytes == 0
     full = acts(DENSE, (), False, granularity="full")
     assert all(p.offloaded_bytes == 0 for p in full.points.values())
     assert full.total_bytes == 16 * MIB
@@ -251,11 +251,19 @@ def test_recompute_interaction():
 
 def test_recompute_is_flagged_in_the_output(capsys):
     rc = main(["plan", "--preset", "llama3-8b", "--recompute-granularity", "selective", "--offload-modules",
-               "core_attn", "attn_proj"])
+               "qkv_linear", "attn_proj"])
     out = capsys.readouterr().out
     assert rc == 0
     assert "core_attn is recomputed" in out
-    assert "requested core_attn moves nothing here" in out
+
+
+@pytest.mark.parametrize(("recompute", "point"), [("core_attn", "core_attn"), ("layernorm", "mlp_norm"),
+                                                   ("moe_act", "moe_act")])
+def test_plan_refuses_what_a_run_would_refuse_under_recompute(capsys, recompute, point):
+    rc = main(["plan", "--preset", "mixtral-8x7b", "--recompute-granularity", "selective", "--recompute-modules",
+               recompute, "--offload-modules", point])
+    assert rc == 2
+    assert f"offload_modules has '{point}', but selective recompute of '{recompute}'" in capsys.readouterr().err
 
 
 def test_local_spec_norm_estimates_are_marked_unvalidated():

@@ -34,8 +34,9 @@ dropout masks, fused norms, a SwiGLU MLP keeps its fc1 output (2f) and activatio
 (unfused attention) adds the attention probabilities ``T*a*s/t`` to ``core_attn``; its separate norms keep
 their inputs (``attn_norm``: the layer input, ``mlp_norm``: the MLP input), and its linears their inputs
 (``qkv_linear``: the norm output). Local-spec estimates are not validated on a GPU. A norm recomputed with
-``--recompute-modules layernorm`` still keeps its input (the checkpoint saves it inside the point); only its
-output is discarded.
+``--recompute-modules layernorm`` still keeps its input (the checkpoint saves it) and discards its output; its
+point is refused then (as is ``moe_act`` under moe_act recompute): offloading's hooks around a
+``CheckpointWithoutOutput`` lose the checkpoint's input gradient.
 """
 
 from __future__ import annotations
@@ -151,10 +152,15 @@ def layer_activations(model: ModelSpec, layout: ParallelLayout, training: Traini
     return LayerActivations("moe" if moe else "dense", points, tuple(b.saved), tuple(b.notes))
 
 
-def _norm_point(b: _Builder, name: str, norm_input: Storage, te_fused: bool, what: str, validated: bool) -> None:
-    """A separate norm keeps its input (a recomputed one too: the checkpoint saves it inside the point)."""
+def _norm_point(b: _Builder, name: str, norm_input: Storage, te_fused: bool, what: str, validated: bool,
+                recomputed: bool) -> None:
+    """A separate norm keeps its input; a recomputed one keeps it inside its checkpoint, which offloading
+    may not wrap (refused: see mcore_offload/config.py)."""
     if te_fused:
         b.nothing(name, "0 with the TE spec: the norm is fused into the next TE linear", validated=True)
+    elif recomputed:
+        b.nothing(name, "refused with layernorm recompute: its CheckpointWithoutOutput would lose the input "
+                        "gradient under offloading's hooks")
     else:
         b.point(name, (norm_input,), what, validated)
 
@@ -177,7 +183,8 @@ def _attention(b: _Builder, model: ModelSpec, layout: ParallelLayout, training: 
 
     measured = te and t == 1  # TE spec, TP=1: benchmarks/results/issue4-* (tests/test_plan_validation.py)
     held = "; held elsewhere in a chunk's first layer"
-    _norm_point(b, "attn_norm", layer_in, te, "the norm's saved input (the layer input" + held + ")", False)
+    _norm_point(b, "attn_norm", layer_in, te, "the norm's saved input (the layer input" + held + ")", False,
+                "layernorm" in recomputed)
     shard = " (local sequence shard)" if layout.sp else ""
     if te and norm_out is not None:
         b.point("qkv_linear", (norm_out, layer_in),
@@ -213,7 +220,7 @@ def _dense_mlp(b: _Builder, model: ModelSpec, layout: ParallelLayout, training: 
     else:
         b.keep("fc1 output", tokens * gate * model.ffn_hidden_size / t)
         b.keep("activation output", tokens * model.ffn_hidden_size / t)
-    _norm_point(b, "mlp_norm", mlp_in, te, "the norm's saved input (the MLP input)", False)
+    _norm_point(b, "mlp_norm", mlp_in, te, "the norm's saved input (the MLP input)", False, "layernorm" in recomputed)
 
 
 def routed_rows(model: ModelSpec, layout: ParallelLayout, training: TrainingSpec) -> int:
@@ -233,7 +240,7 @@ def _moe_mlp(b: _Builder, model: ModelSpec, layout: ParallelLayout, training: Tr
         b.keep("MLP norm output (router input)", hidden)
     what = "TENorm's saved input (the MLP input; the norm is not fused in a MoE layer)" if te else \
         "the norm's saved input (the MLP input)"
-    _norm_point(b, "mlp_norm", mlp_in, False, what, te and layout.tp == 1)
+    _norm_point(b, "mlp_norm", mlp_in, False, what, te and layout.tp == 1, "layernorm" in recomputed)
     if "moe" in recomputed:
         b.nothing("expert_fc1", "recompute moe: the MoE layer is checkpointed, nothing is saved inside")
         b.nothing("moe_act", "recompute moe: the MoE layer is checkpointed, nothing is saved inside")
@@ -247,9 +254,9 @@ def _moe_mlp(b: _Builder, model: ModelSpec, layout: ParallelLayout, training: Tr
     measured = te and t == 1 and etp == 1 and layout.ep == 1
     b.point("expert_fc1", (permuted,), "permuted tokens (balanced routing)", measured)
     if "moe_act" in recomputed:
-        b.point("moe_act", (fc1, probs), "recompute moe_act: the checkpoint keeps fc1's output as its input, "
-                                         "and that moves; the activation output is not stored", False)
-        b.notes.append("moe_act is recomputed: moe_act still moves fc1's output (the checkpoint's input)")
+        b.nothing("moe_act", "refused with moe_act recompute: its CheckpointWithoutOutput (which keeps fc1's "
+                             "output) would lose the input gradient under offloading's hooks")
+        b.notes.append("moe_act is recomputed: the moe_act point is refused; fc1's output stays on the device")
     else:
         b.keep("expert activation output", rows * model.moe_ffn / etp)
         b.point("moe_act", (fc1, probs), "expert fc1 output (the SwiGLU input)" if gate == 2

@@ -12,7 +12,13 @@ import types
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from mcore_offload.config import DEFAULT_MIN_OFFLOADED_TENSOR_SIZE, OFFLOAD_MODULES, validate_offload_modules
+from mcore_offload.config import (
+    DEFAULT_MIN_OFFLOADED_TENSOR_SIZE,
+    OFFLOAD_MODULES,
+    recompute_conflict_message,
+    recompute_conflicts,
+    validate_offload_modules,
+)
 
 #: megatron-core 0.15's selective-recompute module names.
 RECOMPUTE_MODULES: tuple[str, ...] = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe",
@@ -362,7 +368,12 @@ def _validate_training(model: ModelSpec, layout: ParallelLayout, training: Train
         validate_offload_modules(training.offload_modules)
     except ValueError as exc:
         raise PlanError(str(exc)) from None
-    if "attn_proj" in training.offload_modules and "core_attn" not in training.offload_modules:
+    # the same refusals as a real run's config validation (mcore_offload/config.py)
+    for point, module in recompute_conflicts(None, set(training.recomputed)).items():
+        if point in training.offload_modules:
+            raise PlanError(recompute_conflict_message(point, module))
+    if ("attn_proj" in training.offload_modules and "core_attn" not in training.offload_modules
+            and "core_attn" not in training.recomputed):
         raise PlanError("--offload-modules has attn_proj without core_attn: core attention saves the same tensor, "
                         "so attn_proj alone frees nothing; add core_attn or drop attn_proj.")
     size = training.min_offloaded_tensor_size
