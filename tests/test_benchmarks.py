@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -153,3 +154,13 @@ def test_repeats_interleave_and_merge_into_the_median_of_medians():
     b = base.result["ranks"][0]
     assert b["step_ms_medians"] == [10, 30, 12] and b["step_ms_median"] == 12
     assert ours.result["ranks"][0]["step_ms_median"] == 13 and ours.result["ranks"][0]["loss_hex"] == [None]
+
+
+def test_cpu_bind_parses_sysfs_cpu_lists_and_refuses_too_few_cores(monkeypatch):
+    import cpu_affinity
+
+    assert cpu_affinity.parse_cpulist("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
+    assert cpu_affinity.bind("none", 0, 4) == sorted(os.sched_getaffinity(0))
+    monkeypatch.setattr(cpu_affinity, "gpu_local_cpus", lambda index: [0, 1])
+    with pytest.raises(ValueError, match=r"needs 4 cores per rank, but the GPU's node has 2; lower --cpu-bind-cores"):
+        cpu_affinity.bind("compact", 0, 4)
