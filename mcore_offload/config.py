@@ -67,7 +67,7 @@ def _full_recompute_of_every_layer(config: Any) -> bool:
     return int(getattr(config, "recompute_num_layers", 0) or 0) >= per_chunk
 
 
-def _selectively_recomputed(config: Any) -> set[str]:
+def selectively_recomputed(config: Any) -> set[str]:
     """The selective-recompute modules megatron-core will use; this runs before its ``__post_init__`` fills the
     default (``None`` means ``["core_attn"]``) and turns the deprecated ``moe_layer_recompute`` into ``"moe"``."""
     modules: set[str] = set()
@@ -96,11 +96,9 @@ _CONFLICT_REASONS: dict[tuple[str, str], str] = {
 }
 
 
-def recompute_conflicts(config: Any, recomputed: set[str] | None = None) -> dict[str, str]:
-    """Offload points that this config's selective recompute (or the ``recomputed`` modules) rules out,
-    each with the recompute module. Explicit names are refused; ``auto`` leaves these points out."""
-    if recomputed is None:
-        recomputed = _selectively_recomputed(config)
+def recompute_conflicts(recomputed: set[str] | frozenset[str]) -> dict[str, str]:
+    """Offload points that selective recompute of the ``recomputed`` modules rules out, each with its module.
+    Explicit names are refused; ``auto`` leaves these points out."""
     return {point: module for point, module in _CONFLICT_REASONS if module in recomputed}
 
 
@@ -136,8 +134,8 @@ def validate_offload_config(config: Any) -> None:
             "fine_grained_activation_offloading=True needs at least one name in offload_modules: "
             f"choose from {_allowed()}."
         )
-    recomputed = _selectively_recomputed(config)
-    for point, module in recompute_conflicts(config, recomputed).items():
+    recomputed = selectively_recomputed(config)
+    for point, module in recompute_conflicts(recomputed).items():
         if point in names:
             raise ValueError(recompute_conflict_message(point, module))
     # Under core_attn recompute the checkpoint does not keep attention's output, so attn_proj frees it alone.

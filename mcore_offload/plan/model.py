@@ -369,7 +369,7 @@ def _validate_training(model: ModelSpec, layout: ParallelLayout, training: Train
     except ValueError as exc:
         raise PlanError(str(exc)) from None
     # the same refusals as a real run's config validation (mcore_offload/config.py)
-    for point, module in recompute_conflicts(None, set(training.recomputed)).items():
+    for point, module in recompute_conflicts(training.recomputed).items():
         if point in training.offload_modules:
             raise PlanError(recompute_conflict_message(point, module))
     if ("attn_proj" in training.offload_modules and "core_attn" not in training.offload_modules

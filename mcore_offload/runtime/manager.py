@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from mcore_offload.config import recompute_conflicts
+from mcore_offload.config import recompute_conflicts, selectively_recomputed
 from mcore_offload.runtime.auto import AUTO, AutoPlanner, Plan, clock_mark, elapsed_ms, parse_auto
 from mcore_offload.runtime.handler import ChunkOffloadHandler, Entry, Group
 from mcore_offload.runtime.transport import reset_transports
@@ -44,7 +44,7 @@ def point_enabled(config: Any, name: str | None) -> bool:
         # auto may choose any point but those the config's recompute rules out (cached: a hot path)
         excluded = getattr(config, "_mcore_offload_auto_excluded", None)
         if excluded is None:
-            excluded = frozenset(recompute_conflicts(config))
+            excluded = frozenset(recompute_conflicts(selectively_recomputed(config)))
             object.__setattr__(config, "_mcore_offload_auto_excluded", excluded)
         return name not in excluded
     return False
