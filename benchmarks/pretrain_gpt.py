@@ -87,6 +87,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--memory-timeline", action="store_true", help="log allocated memory around every microbatch")
     a("--profile-steps", type=int, nargs=2, default=None, metavar=("FIRST", "LAST"),
       help="torch.profiler trace of these steps (inclusive), summarised by trace_analysis.py")
+    a("--runtime-breakdown", action="store_true",
+      help="ours: time each offload-runtime function from the first timed step (benchmarks/runtime_breakdown.py)")
     a("--cprofile-steps", type=int, nargs=2, default=None, metavar=("FIRST", "LAST"),
       help="cProfile these steps (inclusive) with autograd on the main thread, so that backward's Python "
            "(hooks, TE's backward functions) is profiled too; writes cprofile_rank*.txt to --profile-dir")
@@ -451,6 +453,13 @@ def main(argv=None) -> int:
         audit = OffloadAudit()
     if args.profile_steps:
         annotate_offload_runtime()
+    breakdown = None
+    if ours and args.runtime_breakdown:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from runtime_breakdown import RuntimeBreakdown
+
+        breakdown = RuntimeBreakdown()
+        breakdown.install()
     for step in range(args.train_iters):
         if args.cprofile_steps and step == args.cprofile_steps[0]:
             cprof = start_cprofile()
@@ -467,6 +476,8 @@ def main(argv=None) -> int:
                 from mcore_offload.summary import get_summary
 
                 get_summary().track_peak(peak_reader(device))
+        if breakdown is not None and step == args.warmup_steps:
+            breakdown.recording = True
         data = batches(args, step, device)
         opt.zero_grad(set_to_none=True)
         if cuda:
@@ -539,6 +550,9 @@ def main(argv=None) -> int:
             vals = [v for v in per_step[key][args.warmup_steps:] if v is not None]
             row[key] = statistics.median(vals) if vals else None
         row["host_bytes_at_peak"] = at_peak
+        if breakdown is not None:
+            breakdown.recording = False
+            row["runtime_breakdown"] = breakdown.as_dict(max(args.train_iters - args.warmup_steps, 1))
         if audit is not None:
             row["audit"] = audit.as_dict()
             audit.close()

@@ -164,3 +164,27 @@ def test_cpu_bind_parses_sysfs_cpu_lists_and_refuses_too_few_cores(monkeypatch):
     monkeypatch.setattr(cpu_affinity, "gpu_local_cpus", lambda index: [0, 1])
     with pytest.raises(ValueError, match=r"needs 4 cores per rank, but the GPU's node has 2; lower --cpu-bind-cores"):
         cpu_affinity.bind("compact", 0, 4)
+
+
+@pytest.mark.multiproc
+def test_pretrain_gpt_runtime_breakdown_times_the_runtime_without_changing_the_loss(tmp_path):
+    """--runtime-breakdown wraps the runtime's functions: every row counted, loss still the baseline's."""
+    out = {}
+    for name, extra in (("base", []), ("ours", ["--fine-grained-activation-offloading", "--offload-modules",
+                                                 "core_attn", "--runtime-breakdown"])):
+        js = tmp_path / f"{name}.json"
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", "29632",
+             str(ROOT / "benchmarks" / "cpu_launch.py"), *peak_memory.TINY.split(), "--train-iters", "3",
+             "--warmup-steps", "1", "--json-out", str(js), *extra],
+            capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out[name] = json.loads(js.read_text())["ranks"][0]
+    assert out["ours"]["loss_hex"] == out["base"]["loss_hex"]
+    bd = out["ours"]["runtime_breakdown"]
+    assert bd["steps"] == 2 and bd["wrapper_us"] > 0
+    rows = bd["functions"]
+    # one group per core_attn point: as many commits forward as backward, each timed
+    assert rows["GroupCommit.apply"]["calls_per_step"] == rows["GroupCommit.backward"]["calls_per_step"] > 0
+    assert rows["ChunkOffloadHandler.flush"]["us_per_step"] >= rows["Transport.to_host"]["us_per_step"] > 0
+    assert "runtime_breakdown" not in out["base"]

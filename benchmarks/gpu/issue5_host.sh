@@ -5,7 +5,8 @@
 # 1. per-call host cost of each CUDA / autograd primitive on the hot path (benchmarks/gpu/host_costs.py);
 # 2. config A cut to 4 layers, interleaved repetitions of: baseline; ours core_attn; ours core_attn with
 #    min_offloaded_tensor_size above every tensor (points, groups and hooks run, nothing moves); under each
-#    --cpu-bind mode (benchmarks/cpu_affinity.py).
+#    --cpu-bind mode (benchmarks/cpu_affinity.py). Variants "breakdown" / "hooks_breakdown": core_attn / hooks_only
+#    with --runtime-breakdown (host time per runtime function, benchmarks/runtime_breakdown.py).
 set -u
 out=${1:?outdir}; mkdir -p "$out"
 { nvidia-smi topo -m; lscpu | head -25; cat /proc/loadavg; } > "$out/host_topology.txt" 2>&1
@@ -19,7 +20,9 @@ for rep in $(seq 1 "${REPS:-2}"); do
   for bind in ${BINDS:-none}; do
     for name in ${VARIANTS:-baseline core_attn hooks_only}; do
       case $name in baseline) flags="" ;; core_attn) flags=$OFF ;;
-        hooks_only) flags="$OFF --min-offloaded-tensor-size 1000000000000" ;; esac
+        hooks_only) flags="$OFF --min-offloaded-tensor-size 1000000000000" ;;
+        breakdown) flags="$OFF --runtime-breakdown" ;;
+        hooks_breakdown) flags="$OFF --min-offloaded-tensor-size 1000000000000 --runtime-breakdown" ;; esac
       i=$((i + 1)); tag=$name-$bind-$rep
       timeout 150 torchrun --nproc-per-node 1 --master-port $((29520 + i)) benchmarks/pretrain_gpt.py $A $flags \
         --cpu-bind "$bind" --json-out "$out/$tag.json" --label "$name" > "$out/$tag.log" 2>&1 || echo "FAILED $tag"
@@ -35,4 +38,9 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob("*-*-[0-9].json")):
     print(f"{f.stem:24s} median {st.median(t):7.1f}  q10 {q[len(q) // 10]:7.1f}  min {q[0]:7.1f} ms  "
           f"host {r.get('runtime_cpu_ms')}  cpus {len(r.get('cpus') or [])}  load {r.get('loadavg')}  "
           f"device mallocs/frees after step 1: {[sum(v[2:]) for v in (r.get('allocator_per_step') or {}).values()]}")
+    bd = r.get("runtime_breakdown")
+    if bd:
+        print(f"  breakdown (inclusive, wrapper {bd['wrapper_us']} us/call):")
+        for name, v in list(bd["functions"].items())[:24]:
+            print(f"    {name:46s} {v['us_per_step']:9.1f} us/step {v['calls_per_step']:7.1f} calls {v['us_per_call']:8.2f} us/call")
 PY

@@ -1,0 +1,117 @@
+"""Inclusive host time per runtime function, for finding where the offload runtime's own time goes.
+
+``pretrain_gpt.py --runtime-breakdown`` installs timing wrappers around the runtime's hot-path functions
+(pack / unpack hooks, flush, reloads, the autograd identity functions, the transport's copy bursts) and
+reports, per timed step, the microseconds and calls of each. Times are inclusive (``flush`` contains
+``to_host``), and each wrapped call adds the wrapper's own cost, measured and reported as ``wrapper_us``:
+compare the total with a run without the flag before trusting small rows.
+
+Benchmark tooling only: the library never imports this module.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+from collections import Counter
+from time import perf_counter_ns
+from typing import Any
+
+#: (module, attribute path) of every timed function; missing ones are skipped (older or newer runtimes)
+TARGETS = [
+    ("mcore_offload.runtime.points", "offload"),
+    ("mcore_offload.runtime.points", "commit"),
+    ("mcore_offload.runtime.points", "GroupStart.apply"),
+    ("mcore_offload.runtime.points", "GroupCommit.apply"),
+    ("mcore_offload.runtime.points", "GroupStart.backward"),
+    ("mcore_offload.runtime.points", "GroupCommit.backward"),
+    ("mcore_offload.runtime.manager", "OffloadManager.begin_chunk"),
+    ("mcore_offload.runtime.manager", "OffloadManager.layer_boundary"),
+    ("mcore_offload.runtime.manager", "OffloadManager.handler_for"),
+    ("mcore_offload.runtime.manager", "OffloadManager.on_offloaded"),
+    ("mcore_offload.runtime.manager", "OffloadManager.on_released"),
+    ("mcore_offload.runtime.manager", "OffloadManager.on_reloaded"),
+    ("mcore_offload.runtime.manager", "OffloadManager.end_step"),
+    ("mcore_offload.runtime.handler", "ChunkOffloadHandler.open_group"),
+    ("mcore_offload.runtime.handler", "ChunkOffloadHandler.tensor_push"),
+    ("mcore_offload.runtime.handler", "ChunkOffloadHandler.tensor_pop"),
+    ("mcore_offload.runtime.handler", "ChunkOffloadHandler.on_group_commit_forward"),
+    ("mcore_offload.runtime.handler", "ChunkOffloadHandler.flush"),
+    ("mcore_offload.runtime.handler", "_held_elsewhere"),
+    ("mcore_offload.runtime.handler", "ChunkOffloadHandler.on_group_commit_backward"),
+    ("mcore_offload.runtime.handler", "ChunkOffloadHandler._reload"),
+    ("mcore_offload.runtime.handler", "ChunkOffloadHandler._prefetch"),
+    ("mcore_offload.runtime.handler", "ChunkOffloadHandler.on_group_backward_done"),
+    ("mcore_offload.runtime.handler", "ChunkOffloadHandler.finish"),
+    ("mcore_offload.runtime.transport", "CudaTransport.to_host"),
+    ("mcore_offload.runtime.transport", "CudaTransport.to_device"),
+    ("mcore_offload.runtime.transport", "CudaTransport.wait"),
+    ("mcore_offload.runtime.transport", "Transport.to_host"),
+    ("mcore_offload.runtime.transport", "Transport.to_device"),
+]
+
+
+class RuntimeBreakdown:
+    """Timing wrappers around :data:`TARGETS`; ``install`` once, ``start`` at the first timed step."""
+
+    def __init__(self) -> None:
+        self.ns: Counter[str] = Counter()
+        self.calls: Counter[str] = Counter()
+        self.recording = False
+        self.installed: list[str] = []
+
+    def _wrap(self, fn: Any, label: str) -> Any:
+        ns, calls = self.ns, self.calls
+
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self.recording:
+                return fn(*args, **kwargs)
+            t0 = perf_counter_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                ns[label] += perf_counter_ns() - t0
+                calls[label] += 1
+
+        return timed
+
+    def install(self) -> None:
+        for module_name, path in TARGETS:
+            try:
+                owner: Any = importlib.import_module(module_name)
+            except ImportError:
+                continue
+            *parents, name = path.split(".")
+            for p in parents:
+                owner = getattr(owner, p, None)
+            if owner is None or not hasattr(owner, name):
+                continue
+            raw = inspect.getattr_static(owner, name)  # through the bases: Function.apply is inherited
+            if isinstance(raw, staticmethod):
+                setattr(owner, name, staticmethod(self._wrap(raw.__func__, path)))
+            elif isinstance(raw, classmethod):
+                setattr(owner, name, staticmethod(self._wrap(getattr(owner, name), path)))
+            else:
+                setattr(owner, name, self._wrap(raw, path))
+            self.installed.append(path)
+
+    def wrapper_us(self, n: int = 20000) -> float:
+        """Host cost of one wrapped call of an empty function, in microseconds."""
+        probe = RuntimeBreakdown()
+        probe.recording = True
+        f = probe._wrap(lambda: None, "probe")
+        t0 = perf_counter_ns()
+        for _ in range(n):
+            f()
+        return (perf_counter_ns() - t0) / n / 1e3
+
+    def as_dict(self, steps: int) -> dict[str, Any]:
+        rows = {
+            label: {"us_per_step": round(self.ns[label] / steps / 1e3, 1),
+                    "calls_per_step": round(self.calls[label] / steps, 1),
+                    "us_per_call": round(self.ns[label] / max(self.calls[label], 1) / 1e3, 2)}
+            for label, _ in self.ns.most_common()
+        }
+        return {"steps": steps, "wrapper_us": round(self.wrapper_us(), 3), "functions": rows}
