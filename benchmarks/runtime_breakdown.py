@@ -18,12 +18,15 @@ from collections import Counter
 from time import perf_counter_ns
 from typing import Any
 
-#: (module, attribute path) of every timed function; missing ones are skipped (older or newer runtimes)
+#: (module, attribute path[, label]) of every timed function; missing ones are skipped (older or newer runtimes)
 TARGETS = [
     ("mcore_offload.runtime.points", "offload"),
     ("mcore_offload.runtime.points", "commit"),
     ("mcore_offload.runtime.points", "GroupStart.apply"),
     ("mcore_offload.runtime.points", "GroupCommit.apply"),
+    # the runtime calls the C entry of apply through these module names (same labels as above)
+    ("mcore_offload.runtime.points", "_start", "GroupStart.apply"),
+    ("mcore_offload.runtime.points", "_commit_node", "GroupCommit.apply"),
     ("mcore_offload.runtime.points", "GroupStart.backward"),
     ("mcore_offload.runtime.points", "GroupCommit.backward"),
     ("mcore_offload.runtime.manager", "OffloadManager.begin_chunk"),
@@ -78,7 +81,7 @@ class RuntimeBreakdown:
         return timed
 
     def install(self) -> None:
-        for module_name, path in TARGETS:
+        for module_name, path, *label in TARGETS:
             try:
                 owner: Any = importlib.import_module(module_name)
             except ImportError:
@@ -89,12 +92,13 @@ class RuntimeBreakdown:
             if owner is None or not hasattr(owner, name):
                 continue
             raw = inspect.getattr_static(owner, name)  # through the bases: Function.apply is inherited
+            tag = label[0] if label else path
             if isinstance(raw, staticmethod):
-                setattr(owner, name, staticmethod(self._wrap(raw.__func__, path)))
+                setattr(owner, name, staticmethod(self._wrap(raw.__func__, tag)))
             elif isinstance(raw, classmethod):
-                setattr(owner, name, staticmethod(self._wrap(getattr(owner, name), path)))
+                setattr(owner, name, staticmethod(self._wrap(getattr(owner, name), tag)))
             else:
-                setattr(owner, name, self._wrap(raw, path))
+                setattr(owner, name, self._wrap(raw, tag))
             self.installed.append(path)
 
     def wrapper_us(self, n: int = 20000) -> float:

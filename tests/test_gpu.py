@@ -199,8 +199,11 @@ def test_200_steps_allocated_memory_equals_the_baseline_and_pinned_memory_is_fla
 def test_selective_recompute_with_the_neighbouring_points_offloaded_equal_loss(tmp_path, config, recompute, sets):
     flags = f"{SMALL} --recompute-granularity selective --recompute-modules {recompute}"
     for r in peak_memory(tmp_path, config, sets, flags):
-        got = r["offloaded_bytes_by_point"]
-        assert all(got.get(p, 0) > 0 for p in r["offload_modules"]), got
+        got, modules = r["offloaded_bytes_by_point"], r["offload_modules"]
+        # attn_proj's input is the attention output that TE's core attention saves too: with core_attn in the
+        # set, that storage is offloaded (and counted) once, under core_attn (seen on the GPU host, session 6)
+        named = [p for p in modules if not (p == "attn_proj" and "core_attn" in modules)]
+        assert all(got.get(p, 0) > 0 for p in named), got
 
 
 @pytest.mark.parametrize(("config", "nproc"), [("E-tp2sp", 2), ("E-ep2", 2), ("E-pp2vpp2tp2", 4)])

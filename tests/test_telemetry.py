@@ -67,3 +67,21 @@ def test_without_a_clock_only_bytes_are_counted():
     tel.end_step(0)
     [(_, link)] = tel.resolve()
     assert link.d2h_bytes == 5 and link.d2h_GBps is None and link.stall_ms is None
+
+
+def test_a_callers_end_event_is_timed_but_never_pooled():
+    """A copy burst's done event ends its span; readers still wait on it, so it must not be re-recorded."""
+    tel = LinkTelemetry(FakeEvent)
+    FakeEvent.clock = 0.0
+    start = tel.mark("h2d")
+    done = FakeEvent()
+    FakeEvent.clock = 1.0
+    done.record("h2d")
+    tel.span("h2d", start, done, 40_000_000, keep_end=True)
+    tel.end_step(0)
+    start.done = done.done = True
+    [(_, link)] = tel.resolve()
+    assert link.h2d_GBps == pytest.approx(40.0)
+    created = tel.events_created
+    assert tel.mark("x") is start and tel.mark("y") is not done  # only the mark came back
+    assert tel.events_created == created + 1

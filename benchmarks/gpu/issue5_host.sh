@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
 # Where the host time of a launch-bound step goes (issue 5). GPU host, project root, 0.15.3 patched:
 #   [COSTS=0] [BINDS="none gpu-local compact"] [VARIANTS="baseline core_attn hooks_only"] [REPS=2] [ITERS=30] \
+#   [LAYERS=4] [OLD_TREE=DIR] \
 #     bash benchmarks/gpu/issue5_host.sh OUTDIR
 # 1. per-call host cost of each CUDA / autograd primitive on the hot path (benchmarks/gpu/host_costs.py);
-# 2. config A cut to 4 layers, interleaved repetitions of: baseline; ours core_attn; ours core_attn with
+# 2. config A cut to 4 layers (LAYERS), interleaved repetitions of: baseline; ours core_attn; ours core_attn with
 #    min_offloaded_tensor_size above every tensor (points, groups and hooks run, nothing moves); under each
 #    --cpu-bind mode (benchmarks/cpu_affinity.py). Variants "breakdown" / "hooks_breakdown": core_attn / hooks_only
-#    with --runtime-breakdown (host time per runtime function, benchmarks/runtime_breakdown.py).
+#    with --runtime-breakdown (host time per runtime function, benchmarks/runtime_breakdown.py); NAME@old runs
+#    NAME with the mcore_offload package found in OLD_TREE (before/after comparisons in one interleaved run);
+#    "attn" and "auto": the attention set and offload_modules=["auto"].
 set -u
 out=${1:?outdir}; mkdir -p "$out"
 { nvidia-smi topo -m; lscpu | head -25; cat /proc/loadavg; } > "$out/host_topology.txt" 2>&1
 [ "${COSTS:-1}" = 1 ] && python3 benchmarks/gpu/host_costs.py --out "$out/host_costs.json" 2>&1 | tail -30
-A="--num-layers 4 --hidden-size 2048 --num-attention-heads 16 --ffn-hidden-size 8192 --seq-length 4096
+A="--num-layers ${LAYERS:-4} --hidden-size 2048 --num-attention-heads 16 --ffn-hidden-size 8192 --seq-length 4096
    --micro-batch-size 1 --bf16 --transformer-impl transformer_engine --deterministic --num-microbatches 4
    --train-iters ${ITERS:-30} --warmup-steps 5"
 OFF="--fine-grained-activation-offloading --offload-modules core_attn"
@@ -19,23 +22,30 @@ i=0
 for rep in $(seq 1 "${REPS:-2}"); do
   for bind in ${BINDS:-none}; do
     for name in ${VARIANTS:-baseline core_attn hooks_only}; do
-      case $name in baseline) flags="" ;; core_attn) flags=$OFF ;;
+      # NAME@old: the same variant with the runtime of another checkout (OLD_TREE, a folder that holds an older
+      # mcore_offload package) first on PYTHONPATH; the patched megatron-core tree is the same.
+      tree=""; case $name in *@old) tree=${OLD_TREE:?OLD_TREE must name a folder holding an older mcore_offload};; esac
+      case ${name%@old} in baseline) flags="" ;; core_attn) flags=$OFF ;;
         hooks_only) flags="$OFF --min-offloaded-tensor-size 1000000000000" ;;
+        attn) flags="--fine-grained-activation-offloading --offload-modules qkv_linear core_attn attn_proj" ;;
+        auto) flags="--fine-grained-activation-offloading --offload-modules auto" ;;
         breakdown) flags="$OFF --runtime-breakdown" ;;
         hooks_breakdown) flags="$OFF --min-offloaded-tensor-size 1000000000000 --runtime-breakdown" ;; esac
-      i=$((i + 1)); tag=$name-$bind-$rep
-      timeout 150 torchrun --nproc-per-node 1 --master-port $((29520 + i)) benchmarks/pretrain_gpt.py $A $flags \
+      i=$((i + 1)); tag=${name/@old/_old}-$bind-$rep
+      PYTHONPATH=${tree:+$tree:}$PYTHONPATH timeout 150 torchrun --nproc-per-node 1 --master-port $((29520 + i)) benchmarks/pretrain_gpt.py $A $flags \
         --cpu-bind "$bind" --json-out "$out/$tag.json" --label "$name" > "$out/$tag.log" 2>&1 || echo "FAILED $tag"
     done
   done
 done
 python3 - "$out" <<'PY'
 import json, pathlib, statistics as st, sys
-for f in sorted(pathlib.Path(sys.argv[1]).glob("*-*-[0-9].json")):
-    r = json.loads(f.read_text())["ranks"][0]
+runs = {f.stem: json.loads(f.read_text())["ranks"][0] for f in sorted(pathlib.Path(sys.argv[1]).glob("*-*-[0-9].json"))}
+for stem, r in runs.items():
     t = r["step_ms"][5:]
     q = sorted(t)
-    print(f"{f.stem:24s} median {st.median(t):7.1f}  q10 {q[len(q) // 10]:7.1f}  min {q[0]:7.1f} ms  "
+    base = runs.get("baseline-" + stem.split("-", 1)[1])
+    same = "-" if base is None or stem.startswith("baseline") else r["loss_hex"] == base["loss_hex"]
+    print(f"{stem:24s} median {st.median(t):7.1f}  q10 {q[len(q) // 10]:7.1f}  min {q[0]:7.1f} ms  loss equal {same}  "
           f"host {r.get('runtime_cpu_ms')}  cpus {len(r.get('cpus') or [])}  load {r.get('loadavg')}  "
           f"device mallocs/frees after step 1: {[sum(v[2:]) for v in (r.get('allocator_per_step') or {}).values()]}")
     bd = r.get("runtime_breakdown")

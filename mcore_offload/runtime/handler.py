@@ -43,21 +43,24 @@ logger = logging.getLogger(__name__)
 MIN_STORAGE_COVERAGE = 0.5
 
 
-@dataclass(eq=False)
 class Entry:
-    """One offloaded storage."""
+    """One offloaded storage (slots: one is made per storage and flush, on the hot path)."""
 
-    point: str
-    nbytes: int
-    host: torch.Tensor | None
-    d2h_event: Any
-    device_storage: torch.UntypedStorage | None = None
-    h2d_event: Any = None
-    compute_waited: bool = False
-    users: int = 0  # groups whose backward has not finished yet
-    storage_ref: Any = None  # weakref to the original device storage
-    off_device: bool = False  # the original storage is freed and no reloaded copy exists yet
-    device_ptr: int = 0  # the original storage's address (audits: never a parameter's or a workspace's)
+    __slots__ = ("point", "nbytes", "host", "d2h_event", "device_storage", "h2d_event", "compute_waited", "users",
+                 "storage_ref", "off_device", "device_ptr")
+
+    def __init__(self, point: str, nbytes: int, host: torch.Tensor | None, d2h_event: Any, device_ptr: int = 0) -> None:
+        self.point = point
+        self.nbytes = nbytes
+        self.host = host
+        self.d2h_event = d2h_event
+        self.device_storage: torch.UntypedStorage | None = None
+        self.h2d_event: Any = None
+        self.compute_waited = False
+        self.users = 0  # groups whose backward has not finished yet
+        self.storage_ref: Any = None  # weakref to the original device storage
+        self.off_device = False  # the original storage is freed and no reloaded copy exists yet
+        self.device_ptr = device_ptr  # the original storage's address (audits: never a parameter's or a workspace's)
 
 
 class SavedRef:
@@ -71,7 +74,7 @@ class SavedRef:
         self.entry: Entry | None = None
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Group:
     name: str
     refs: list[SavedRef] = field(default_factory=list)
@@ -89,12 +92,24 @@ def _view_key(t: torch.Tensor) -> tuple:
 
 
 _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+_Tensor, _strided = torch.Tensor, torch.strided  # module globals: read once per saved tensor
 
 
 def _held_elsewhere(storage: torch.UntypedStorage, refs: list[SavedRef]) -> bool:
     """Whether a tensor other than the ones we hold references ``storage``."""
     if _storage_use_count is None:  # private API gone: assume sole ownership, as TE does
         return False
+    if len(refs) == 1:  # the common case, without the bookkeeping below (same counts)
+        t = refs[0].tensor
+        base = t._base
+        # storage users: the saved tensor, its base if it is a view, and the storage object we hold
+        if _storage_use_count(storage._cdata) > (2 if base is None else 3):
+            return True
+        # Python references to the tensor: the SavedRef, ``t`` and getrefcount's argument
+        if sys.getrefcount(t) > 3:
+            return True
+        # to the base: ``base``, the argument and the view's C++ side
+        return base is not None and sys.getrefcount(base) > 3
     tensors = {id(r.tensor): r.tensor for r in refs}
     # A view keeps its base alive, so the base counts as ours too (``_base`` is always the root).
     bases = {id(t._base): t._base for t in tensors.values() if t._base is not None}
@@ -149,6 +164,7 @@ class ChunkOffloadHandler(HandlerBase):
         self.min_numel = min_numel
         self.not_offloadable = not_offloadable
         self.transport = transport_for(device)
+        self.summary = manager.summary  # the hooks add their host time to it (one attribute hop, not two)
         self.groupid_reset()
 
     # ----------------------------------------------------------------------------------------- state
@@ -160,6 +176,7 @@ class ChunkOffloadHandler(HandlerBase):
         # still cut it loose (see there)
         self.opened: list[Group] = []
         self.live: dict[int, Entry] = {}  # data_ptr of a still-alive device storage -> its entry
+        self.groups_done = 0  # committed groups whose backward finished
         self.backward_started = False
         self.finished = False
         self.layers = 0  # transformer layers started in this chunk's forward
@@ -179,9 +196,9 @@ class ChunkOffloadHandler(HandlerBase):
         Runs for every saved tensor: the cheapest tests come first, and ``type(...) is`` replaces
         ``isinstance(t, Parameter)``, whose metaclass check is Python code.
         """
-        if type(t) is not torch.Tensor:
+        if type(t) is not _Tensor:
             return "parameter" if isinstance(t, torch.nn.Parameter) else "tensor subclass or layout"
-        if t.layout is not torch.strided:
+        if t.layout is not _strided:
             return "tensor subclass or layout"
         if t.get_device() != self.device_index:
             return "other device"
@@ -216,7 +233,7 @@ class ChunkOffloadHandler(HandlerBase):
         else:
             out = SavedRef(tensor, group)
             group.refs.append(out)
-        self.manager.summary.runtime_ns += perf_counter_ns() - t0
+        self.summary.runtime_ns += perf_counter_ns() - t0
         return out
 
     def tensor_pop(self, tensor_tag: Any, **kwargs: Any) -> torch.Tensor:
@@ -230,7 +247,7 @@ class ChunkOffloadHandler(HandlerBase):
             return tensor_tag.tensor
         t0 = perf_counter_ns()
         view = self._rebuild(tensor_tag)
-        self.manager.summary.runtime_ns += perf_counter_ns() - t0
+        self.summary.runtime_ns += perf_counter_ns() - t0
         return view
 
     def _rebuild(self, tensor_tag: SavedRef) -> torch.Tensor:
@@ -318,7 +335,7 @@ class ChunkOffloadHandler(HandlerBase):
         for ref in refs:
             t = ref.tensor
             ref.dtype, ref.offset = t.dtype, t.storage_offset()
-            ref.size, ref.stride = tuple(t.shape), tuple(t.stride())
+            ref.size, ref.stride = t.shape, t.stride()  # torch.Size and a tuple: immutable, kept as they are
             ref.entry, ref.tensor = entry, None
             if entry not in ref.group.entries:
                 ref.group.entries.append(entry)
@@ -395,7 +412,9 @@ class ChunkOffloadHandler(HandlerBase):
             entry.users -= 1
             if entry.users == 0:
                 entry.device_storage = None
-        if all(g.done for g in self.groups):
+        if group.index >= 0:  # one of self.groups (a group that saved nothing was never committed there)
+            self.groups_done += 1
+        if self.groups_done == len(self.groups):
             self.finish()
 
     def finish(self, abort: bool = False) -> None:

@@ -76,8 +76,8 @@ class OffloadManager:
     def reset_step(self) -> None:
         self.handlers: list[ChunkOffloadHandler] = []
         self.forward_handler: ChunkOffloadHandler | None = None
-        # groups whose ``offload`` block closed and whose ``commit`` has not come yet
-        self.open_groups: dict[tuple[int, str], Group] = {}
+        # point name -> (handler, group) whose ``offload`` block closed and whose ``commit`` has not come yet
+        self.open_groups: dict[str, tuple[ChunkOffloadHandler, Group]] = {}
         self._microbatches: dict[int | None, int] = {}
         self._protected: dict[int, tuple[torch.device | None, set[int]]] = {}  # id(chunk) -> its storages
         self._measuring_started = False

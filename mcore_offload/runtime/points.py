@@ -23,10 +23,20 @@ from typing import Any, TypeVar
 
 import torch
 
+from mcore_offload.runtime import manager as _manager_module
 from mcore_offload.runtime.handler import ChunkOffloadHandler, Group
 from mcore_offload.runtime.manager import get_manager
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+# The C entry of ``Function.apply``: the Python wrapper in front of it (functorch checks, setup_context
+# lookup) costs as much again as the node itself, twice per group on a launch-bound path. Our functions
+# never run under functorch transforms (offloading is off inside them: no training forward).
+_c_apply = getattr(getattr(torch._C, "_FunctionBase", None), "__dict__", {}).get("apply")
+
+
+def _fast_apply(fn: type[torch.autograd.Function]) -> Callable[..., Any]:
+    return _c_apply.__get__(None, fn) if _c_apply is not None else fn.apply
 
 
 class GroupStart(torch.autograd.Function):
@@ -62,6 +72,10 @@ class GroupCommit(torch.autograd.Function):
         return grad, None, None
 
 
+_start = _fast_apply(GroupStart)
+_commit_node = _fast_apply(GroupCommit)
+
+
 class _Passthrough:
     """The context of a point that is off: hands the tensor through (cheaper than a generator context)."""
 
@@ -79,7 +93,10 @@ class _Passthrough:
 
 def offload(name: str | None, config: Any, tensor: torch.Tensor) -> contextlib.AbstractContextManager:
     """Offload what is saved for backward inside this block (see the module docstring)."""
-    manager = get_manager()
+    manager = _manager_module._MANAGER
+    # no forward handler: not a training forward, or offloading is off (the common case: a cheap exit)
+    if manager is None or manager.forward_handler is None:
+        return _Passthrough(tensor)
     handler = manager.handler_for(config, name)
     if handler is None or not isinstance(tensor, torch.Tensor):
         return _Passthrough(tensor)
@@ -91,22 +108,26 @@ def _offload(manager: Any, handler: ChunkOffloadHandler, name: str, tensor: torc
     t0 = perf_counter_ns()
     group = handler.open_group(name)
     if tensor.requires_grad:
-        tensor = GroupStart.apply(tensor, handler, group)
-    pack = functools.partial(handler.tensor_push, group=group)
+        tensor = _start(tensor, handler, group)
+
+    def pack(saved: torch.Tensor) -> Any:
+        return handler.tensor_push(saved, group)
+
     with torch.autograd.graph.saved_tensors_hooks(pack, handler.tensor_pop):
         manager.summary.runtime_ns += perf_counter_ns() - t0
         yield tensor
         t0 = perf_counter_ns()
-    manager.open_groups[(id(handler), name)] = group
+    manager.open_groups[name] = (handler, group)
     manager.group_closed(group)
     manager.summary.runtime_ns += perf_counter_ns() - t0
 
 
 def commit(name: str | None, config: Any, value: Any) -> Any:
     """Mark the end of point ``name``; ``value`` is a tensor or a tuple/list whose first item is one."""
-    if name is None:
+    manager = _manager_module._MANAGER
+    # Only a point whose offload block registered a group has anything to do here (cheap exit for the rest).
+    if name is None or manager is None or name not in manager.open_groups:
         return value
-    manager = get_manager()
     handler = manager.handler_for(config, name)
     if handler is None:
         return value
@@ -118,13 +139,13 @@ def commit(name: str | None, config: Any, value: Any) -> Any:
 
 
 def _commit(manager: Any, handler: ChunkOffloadHandler, name: str, value: Any) -> Any:
-    group = manager.open_groups.pop((id(handler), name), None)
-    if group is None:
+    opened_by, group = manager.open_groups.pop(name)
+    if opened_by is not handler:  # opened by a chunk whose forward has ended
         return value
     is_sequence = isinstance(value, (tuple, list))
     tensor = value[0] if is_sequence else value
     if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-        tensor = GroupCommit.apply(tensor, handler, group)
+        tensor = _commit_node(tensor, handler, group)
     else:  # nothing for backward to hook: the group is still queued for offload
         handler.on_group_commit_forward(group)
     return type(value)((tensor, *value[1:])) if is_sequence else tensor

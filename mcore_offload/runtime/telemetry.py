@@ -36,8 +36,8 @@ class StepLink:
 @dataclass
 class _Pending:
     step: int
-    # (kind, start event, end event, bytes); kind is "d2h", "h2d" or "stall"
-    spans: list[tuple[str, Any, Any, int]] = field(default_factory=list)
+    # (kind, start event, end event, bytes, end event is the caller's); kind is "d2h", "h2d" or "stall"
+    spans: list[tuple[str, Any, Any, int, bool]] = field(default_factory=list)
 
 
 class LinkTelemetry:
@@ -70,8 +70,10 @@ class LinkTelemetry:
         ev.record(stream)
         return ev
 
-    def span(self, kind: str, start: Any, end: Any, nbytes: int = 0) -> None:
-        self._current.spans.append((kind, start, end, nbytes))
+    def span(self, kind: str, start: Any, end: Any, nbytes: int = 0, keep_end: bool = False) -> None:
+        """A timed span; ``keep_end``: ``end`` is the caller's event (a copy burst's done event, which others
+        still wait on), so it never returns to the pool."""
+        self._current.spans.append((kind, start, end, nbytes, keep_end))
 
     def end_step(self, step: int) -> None:
         """The step ``step`` ended: its spans wait to be read; earlier finished steps are read now."""
@@ -84,7 +86,7 @@ class LinkTelemetry:
         done: list[tuple[int, StepLink]] = []
         while self._unresolved:
             pending = self._unresolved[0]
-            if not all(self._complete(end, wait) for _, _, end, _ in pending.spans):
+            if not all(self._complete(span[2], wait) for span in pending.spans):
                 break
             self._unresolved.pop(0)
             done.append((pending.step, self._read(pending)))
@@ -101,7 +103,7 @@ class LinkTelemetry:
     def _read(self, pending: _Pending) -> StepLink:
         link = StepLink()
         ms = {"d2h": 0.0, "h2d": 0.0, "stall": 0.0}
-        for kind, start, end, nbytes in pending.spans:
+        for kind, start, end, nbytes, keep_end in pending.spans:
             if kind == "d2h":
                 link.d2h_bytes += nbytes
             elif kind == "h2d":
@@ -110,7 +112,9 @@ class LinkTelemetry:
                 link.waits += 1
             if start is not None and end is not None:
                 ms[kind] += start.elapsed_time(end)
-                self._free.extend((start, end))
+                self._free.append(start)
+                if not keep_end:
+                    self._free.append(end)
         if self.timed:
             link.stall_ms = ms["stall"] if link.waits else 0.0
             link.d2h_ms, link.h2d_ms = ms["d2h"], ms["h2d"]

@@ -19,6 +19,7 @@ logger = logging.getLogger(__name__)
 
 
 _raw_set_stream = getattr(torch._C, "_cuda_setStream", None)
+_raw_current_stream = getattr(torch._C, "_cuda_getCurrentStream", None)  # (stream id, device index, type)
 
 
 def _set_stream(stream: torch.cuda.Stream) -> None:
@@ -48,13 +49,6 @@ def copy_into_host(buf: torch.Tensor, storage: torch.UntypedStorage, non_blockin
         buf.untyped_storage().copy_(storage, non_blocking=non_blocking)
     else:
         buf.copy_(as_bytes(storage), non_blocking=non_blocking)
-
-
-def copy_from_host(storage: torch.UntypedStorage, host: torch.Tensor, non_blocking: bool = False) -> None:
-    if host._base is None:
-        storage.copy_(host.untyped_storage(), non_blocking=non_blocking)
-    else:
-        as_bytes(storage).copy_(host, non_blocking=non_blocking)
 
 
 class HostBufferPool:
@@ -139,9 +133,9 @@ class Transport:
         """
         out = []
         for host in hosts:
-            st = torch.UntypedStorage(host.numel(), device=device)
-            copy_from_host(st, host)
-            out.append(st)
+            dst = torch.empty(host.numel(), dtype=torch.uint8, device=device)
+            dst.copy_(host)
+            out.append(dst.untyped_storage())
         self.telemetry.span("h2d", None, None, sum(h.numel() for h in hosts))
         return out, None
 
@@ -156,7 +150,12 @@ class Transport:
 
 
 class CudaTransport(Transport):
-    """D2H and H2D on their own streams, event-guarded in both directions, timed for telemetry."""
+    """D2H and H2D on their own streams, event-guarded in both directions, timed for telemetry.
+
+    Every call here runs once per copy burst on a launch-bound hot path, so the per-burst Python is kept to
+    raw stream lookups and reused fence events: ``torch.cuda.current_stream`` builds a Stream object and
+    ``Stream.wait_stream`` creates an event each call, and both cost more than the copy launches.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.pool = HostBufferPool(pin=True)
@@ -165,63 +164,89 @@ class CudaTransport(Transport):
         self.d2h_stream = torch.cuda.Stream(device=device)
         self.h2d_stream = torch.cuda.Stream(device=device)
         self.telemetry = LinkTelemetry(lambda: torch.cuda.Event(enable_timing=True))
+        # Recorded on the compute stream and waited on by a side stream right away: a wait binds to the
+        # record before it, so one event per direction serves every burst.
+        self._d2h_fence = torch.cuda.Event()
+        self._h2d_fence = torch.cuda.Event()
+        self._streams: dict[int, torch.cuda.Stream] = {}  # stream id -> Stream object, for the raw lookup
 
-    def _switch(self, stream: torch.cuda.Stream) -> torch.cuda.Stream:
-        """Make ``stream`` current; return the compute stream it replaces.
+    def _current(self) -> torch.cuda.Stream:
+        """The current (compute) stream, from a cache keyed by the raw stream id."""
+        if _raw_current_stream is None:  # private API gone
+            return torch.cuda.current_stream(self.device_index)
+        sid = _raw_current_stream(self.device_index)[0]
+        stream = self._streams.get(sid)
+        if stream is None:
+            stream = self._streams[sid] = torch.cuda.current_stream(self.device_index)
+        return stream
 
-        The raw setter: ``torch.cuda.set_stream`` and the stream context manager cost tens of microseconds
-        of Python each, twice per copy burst, on a launch-bound hot path.
-        """
-        compute = torch.cuda.current_stream(self.device_index)
-        _set_stream(stream)
-        return compute
+    def _done_event(self) -> torch.cuda.Event:
+        """The event a burst's readers wait on; also the telemetry's end mark of the burst."""
+        return torch.cuda.Event(enable_timing=self.telemetry.timed)
 
     def to_host(self, storages, keep_alive):
-        compute = self._switch(self.d2h_stream)
+        compute = self._current()
+        # The saved tensors were produced on the compute stream: copy only after it reached this point.
+        self._d2h_fence.record(compute)
+        _set_stream(self.d2h_stream)
         try:
-            # The saved tensors were produced on the compute stream: copy only after it reached this point.
-            self.d2h_stream.wait_stream(compute)
-            acquired = [self.pool.acquire(storage.nbytes()) for storage in storages]
-            bufs = [buf for buf, _ in acquired]
-            for event in {id(e): e for _, e in acquired if e is not None}.values():
-                # A reused buffer's previous H2D must have read it before we overwrite it.
-                self.d2h_stream.wait_event(event)
-            nbytes = sum(storage.nbytes() for storage in storages)
+            self.d2h_stream.wait_event(self._d2h_fence)
+            bufs = []
+            waited = None
+            nbytes = 0
+            for storage in storages:
+                n = storage.nbytes()
+                nbytes += n
+                buf, event = self.pool.acquire(n)
+                if event is not None and event is not waited:
+                    # A reused buffer's previous H2D must have read it before we overwrite it (consecutive
+                    # buffers mostly share one reload batch's event: waiting once is enough).
+                    self.d2h_stream.wait_event(event)
+                    waited = event
+                bufs.append(buf)
             start = self.telemetry.mark(self.d2h_stream)
             for storage, buf, user in zip(storages, bufs, keep_alive):
                 copy_into_host(buf, storage, non_blocking=True)
                 # The caching allocator must not hand this block out before the copy has read it.
                 user.record_stream(self.d2h_stream)
-            done = torch.cuda.Event()
+            done = self._done_event()
             done.record(self.d2h_stream)
-            self.telemetry.span("d2h", start, self.telemetry.mark(self.d2h_stream), nbytes)
+            self.telemetry.span("d2h", start, done, nbytes, keep_end=True)
         finally:
             _set_stream(compute)
         return bufs, done
 
     def to_device(self, hosts, after, device):
-        # Allocated on the compute stream, which is the stream that consumes and later frees them.
-        out = [torch.UntypedStorage(host.numel(), device=device) for host in hosts]
-        compute = self._switch(self.h2d_stream)
+        # Allocated on the compute stream, which is the stream that consumes and later frees them. Byte tensors,
+        # not bare storages: a tensor-to-tensor copy costs less host time than storage.copy_.
+        out = [torch.empty(host.numel(), dtype=torch.uint8, device=device) for host in hosts]
+        compute = self._current()
+        # The new blocks may be memory the compute stream has just freed and still reads.
+        self._h2d_fence.record(compute)
+        _set_stream(self.h2d_stream)
         try:
-            # The new blocks may be memory the compute stream has just freed and still reads.
-            self.h2d_stream.wait_stream(compute)
-            for event in {id(e): e for e in after if e is not None}.values():
-                # A reload reads the host copy: its own D2H must have finished (upstream bug #7398).
-                self.h2d_stream.wait_event(event)
+            self.h2d_stream.wait_event(self._h2d_fence)
+            waited = None
+            for event in after:
+                if event is not None and event is not waited:
+                    # A reload reads the host copy: its own D2H must have finished (upstream bug #7398).
+                    self.h2d_stream.wait_event(event)
+                    waited = event
             start = self.telemetry.mark(self.h2d_stream)
-            for st, host in zip(out, hosts):
-                copy_from_host(st, host, non_blocking=True)
-            done = torch.cuda.Event()
+            nbytes = 0
+            for dst, host in zip(out, hosts):
+                dst.copy_(host, non_blocking=True)
+                nbytes += host.numel()
+            done = self._done_event()
             done.record(self.h2d_stream)
-            self.telemetry.span("h2d", start, self.telemetry.mark(self.h2d_stream), sum(h.numel() for h in hosts))
+            self.telemetry.span("h2d", start, done, nbytes, keep_end=True)
         finally:
             _set_stream(compute)
-        return out, done
+        return [dst.untyped_storage() for dst in out], done
 
     def wait(self, event):
         if event is not None:
-            compute = torch.cuda.current_stream(self.device_index)
+            compute = self._current()
             # The two marks bracket the wait on the compute stream: their distance is the stall.
             start = self.telemetry.mark(compute)
             compute.wait_event(event)
