@@ -50,6 +50,11 @@ TARGETS = [
     ("mcore_offload.runtime.transport", "CudaTransport.to_host"),
     ("mcore_offload.runtime.transport", "CudaTransport.to_device"),
     ("mcore_offload.runtime.transport", "CudaTransport.wait"),
+    ("mcore_offload.runtime.transport", "copy_into_host"),
+    ("mcore_offload.runtime.transport", "HostBufferPool.acquire"),
+    ("mcore_offload.runtime.telemetry", "LinkTelemetry.mark"),
+    ("mcore_offload.runtime.telemetry", "LinkTelemetry.resolve"),
+    ("mcore_offload.summary", "OffloadSummary.close_step"),
     ("mcore_offload.runtime.transport", "Transport.to_host"),
     ("mcore_offload.runtime.transport", "Transport.to_device"),
 ]
