@@ -85,3 +85,27 @@ def test_a_callers_end_event_is_timed_but_never_pooled():
     created = tel.events_created
     assert tel.mark("x") is start and tel.mark("y") is not done  # only the mark came back
     assert tel.events_created == created + 1
+
+
+def test_a_stall_ends_on_the_awaited_copy_and_a_copy_done_before_the_wait_is_no_stall():
+    """One mark where compute reaches the wait; the copy's done event ends the span; negative distance is 0."""
+    tel = LinkTelemetry(FakeEvent)
+    FakeEvent.clock = 0.0
+    first_arrival = tel.mark("compute")  # compute reaches the first wait at 0.0 ...
+    FakeEvent.clock = 3.0
+    late_copy = FakeEvent()
+    late_copy.record("h2d")  # ... and its copy finishes at 3.0: 3 ms of stall
+    tel.span("stall", first_arrival, late_copy, keep_end=True)
+    FakeEvent.clock = 5.0
+    early_copy = FakeEvent()
+    early_copy.record("h2d")
+    FakeEvent.clock = 6.0
+    second_arrival = tel.mark("compute")  # this copy finished 1 ms before compute got there: no stall
+    tel.span("stall", second_arrival, early_copy, keep_end=True)
+    tel.end_step(0)
+    for e in (first_arrival, late_copy, early_copy):
+        e.done = True
+    assert tel.resolve() == []  # the compute stream has not passed its last mark yet
+    second_arrival.done = True
+    [(_, link)] = tel.resolve()
+    assert link.waits == 2 and link.stall_ms == pytest.approx(3.0)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from time import perf_counter_ns
 from typing import Any, TypeVar
 
@@ -100,26 +100,40 @@ def offload(name: str | None, config: Any, tensor: torch.Tensor) -> contextlib.A
     handler = manager.handler_for(config, name)
     if handler is None or not isinstance(tensor, torch.Tensor):
         return _Passthrough(tensor)
-    return _offload(manager, handler, name, tensor)
+    return _OffloadBlock(manager, handler, name, tensor)
 
 
-@contextlib.contextmanager
-def _offload(manager: Any, handler: ChunkOffloadHandler, name: str, tensor: torch.Tensor) -> Iterator[torch.Tensor]:
-    t0 = perf_counter_ns()
-    group = handler.open_group(name)
-    if tensor.requires_grad:
-        tensor = _start(tensor, handler, group)
+class _OffloadBlock:
+    """The context of a point that is on (a class, not a generator context: it runs once per group and layer)."""
 
-    def pack(saved: torch.Tensor) -> Any:
-        return handler.tensor_push(saved, group)
+    __slots__ = ("manager", "handler", "name", "tensor", "group", "hooks")
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, handler.tensor_pop):
-        manager.summary.runtime_ns += perf_counter_ns() - t0
-        yield tensor
+    def __init__(self, manager: Any, handler: ChunkOffloadHandler, name: str, tensor: torch.Tensor) -> None:
+        self.manager, self.handler, self.name, self.tensor = manager, handler, name, tensor
+
+    def __enter__(self) -> torch.Tensor:
         t0 = perf_counter_ns()
-    manager.open_groups[name] = (handler, group)
-    manager.group_closed(group)
-    manager.summary.runtime_ns += perf_counter_ns() - t0
+        handler, tensor = self.handler, self.tensor
+        self.tensor = None  # the block does not keep the input alive
+        group = self.group = handler.open_group(self.name)
+        if tensor.requires_grad:
+            tensor = _start(tensor, handler, group)
+
+        def pack(saved: torch.Tensor) -> Any:
+            return handler.tensor_push(saved, group)
+
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(pack, handler.tensor_pop)
+        self.hooks.__enter__()
+        self.manager.summary.runtime_ns += perf_counter_ns() - t0
+        return tensor
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        t0 = perf_counter_ns()
+        self.hooks.__exit__(exc_type, exc, tb)
+        if exc_type is None:  # a block that raised leaves its group uncommitted (finish() cuts it loose)
+            self.manager.open_groups[self.name] = (self.handler, self.group)
+            self.manager.group_closed(self.group)
+        self.manager.summary.runtime_ns += perf_counter_ns() - t0
 
 
 def commit(name: str | None, config: Any, value: Any) -> Any:

@@ -1,12 +1,14 @@
 """Per-step link telemetry: how long the compute stream waited for reloads, and the copy throughput.
 
-Everything is timed on the GPU with timing events recorded around each copy burst (one offload flush,
-one reload batch) and around each compute-stream wait on a reload. Reading an event's time needs it to
+Everything is timed on the GPU with timing events: a mark before each copy burst (one offload flush, one reload
+batch) and the burst's own done event after it; for a wait of the compute stream on a reload, a mark where the
+compute stream reaches the wait and the awaited burst's done event (the stall is their distance, or 0 when the copy
+finished first). Reading an event's time needs it to
 be complete, and waiting for that inside a step would be a host synchronisation, so a step's events are
 read at the end of the *next* step (by then the GPU has long passed them; ``query()`` confirms it), or
 on demand by :meth:`LinkTelemetry.resolve` with ``wait=True`` (the benchmark, after its last step).
 
-Events are pooled: after step 1 no event is created, only re-recorded.
+Marks are pooled: after step 1 no mark is created, only re-recorded (done events belong to the transport).
 """
 
 from __future__ import annotations
@@ -86,11 +88,20 @@ class LinkTelemetry:
         done: list[tuple[int, StepLink]] = []
         while self._unresolved:
             pending = self._unresolved[0]
-            if not all(self._complete(span[2], wait) for span in pending.spans):
+            if not self._step_complete(pending, wait):
                 break
             self._unresolved.pop(0)
             done.append((pending.step, self._read(pending)))
         return done
+
+    def _step_complete(self, pending: _Pending, wait: bool) -> bool:
+        # Events of one stream complete in the order they were recorded, and a kind's starts share one stream, as
+        # do its ends (d2h: the D2H stream; h2d: the H2D stream; stall: compute, then H2D): the last start and the
+        # last end of each kind stand for all of them (one query each instead of one per span, on the step's end).
+        last: dict[tuple[str, int], Any] = {}
+        for kind, start, end, _, _ in pending.spans:
+            last[kind, 0], last[kind, 1] = start, end
+        return all(self._complete(event, wait) for event in last.values())
 
     def _complete(self, event: Any, wait: bool) -> bool:
         if event is None:
@@ -111,7 +122,9 @@ class LinkTelemetry:
             else:
                 link.waits += 1
             if start is not None and end is not None:
-                ms[kind] += start.elapsed_time(end)
+                # a stall span may end on the awaited copy's own event: a copy done before the compute stream
+                # arrived is no stall (negative distance)
+                ms[kind] += max(0.0, start.elapsed_time(end))
                 self._free.append(start)
                 if not keep_end:
                     self._free.append(end)

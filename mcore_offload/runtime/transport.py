@@ -247,10 +247,11 @@ class CudaTransport(Transport):
     def wait(self, event):
         if event is not None:
             compute = self._current()
-            # The two marks bracket the wait on the compute stream: their distance is the stall.
-            start = self.telemetry.mark(compute)
+            # The stall is how long after the compute stream reached this wait the awaited copy finished: one mark
+            # here and the copy burst's own (timed) done event, instead of two marks around the wait.
+            arrival = self.telemetry.mark(compute)
             compute.wait_event(event)
-            self.telemetry.span("stall", start, self.telemetry.mark(compute))
+            self.telemetry.span("stall", arrival, event, keep_end=True)
 
     def synchronize(self):
         self.d2h_stream.synchronize()
