@@ -96,8 +96,10 @@ class LinkTelemetry:
 
     def _step_complete(self, pending: _Pending, wait: bool) -> bool:
         # Events of one stream complete in the order they were recorded, and a kind's starts share one stream, as
-        # do its ends (d2h: the D2H stream; h2d: the H2D stream; stall: compute, then H2D): the last start and the
-        # last end of each kind stand for all of them (one query each instead of one per span, on the step's end).
+        # do its ends (d2h: the D2H stream; h2d: the H2D stream; stall: compute, then an H2D burst's done event of
+        # this step, which is also the end of that burst's h2d span): the last start and the last end of each kind
+        # stand for all of them (one query each instead of one per span, on the step's end). Stalls may wait on
+        # bursts out of their recording order; the last h2d end covers every stall end.
         last: dict[tuple[str, int], Any] = {}
         for kind, start, end, _, _ in pending.spans:
             last[kind, 0], last[kind, 1] = start, end
