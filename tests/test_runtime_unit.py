@@ -188,6 +188,36 @@ def test_storage_held_elsewhere_is_not_copied():
     assert last["released_in_forward"] == last["offloaded"]
 
 
+def _one_ref_cases():
+    """(name, SavedRef, what else keeps alive, expected answer); no test-frame name refers to the saved tensor."""
+    from mcore_offload.runtime.handler import Group, SavedRef
+
+    group = Group("qkv_linear")
+    sole = SavedRef(torch.randn(64), group)
+    aliased = SavedRef(torch.randn(64), group)
+    named = SavedRef(torch.randn(64), group)
+    view = SavedRef(torch.randn(8, 8)[2:], group)  # its base lives only through the view
+    base_kept = torch.randn(8, 8)
+    view_of_kept = SavedRef(base_kept[2:], group)
+    return [
+        ("sole tensor", sole, None, False),
+        ("another tensor on the storage", aliased, aliased.tensor.view(8, 8), True),
+        ("the same tensor object named elsewhere", named, [named.tensor], True),
+        ("a view whose base nobody else holds", view, None, False),
+        ("a view whose base Python still holds", view_of_kept, base_kept, True),
+    ]
+
+
+def test_the_one_reference_fast_path_answers_like_the_general_check():
+    from mcore_offload.runtime.handler import _held_by_other_than_many, _held_by_other_than_one
+
+    for case in _one_ref_cases():  # the case tuple is the only extra holder of its keeper: one reference
+        name, ref, expected = case[0], case[1], case[3]
+        storage = ref.tensor.untyped_storage()
+        assert _held_by_other_than_one(storage, ref) is expected, name
+        assert _held_by_other_than_many(storage, [ref]) is expected, name
+
+
 class _GroupedGemm(torch.autograd.Function):
     """Saves what TE 2.9's ``_GroupedLinear`` saves without FP8: one split view of the input per expert
     (such views report requires_grad and is_leaf once saved), the weights and empty biases."""

@@ -99,17 +99,25 @@ def _held_elsewhere(storage: torch.UntypedStorage, refs: list[SavedRef]) -> bool
     """Whether a tensor other than the ones we hold references ``storage``."""
     if _storage_use_count is None:  # private API gone: assume sole ownership, as TE does
         return False
-    if len(refs) == 1:  # the common case, without the bookkeeping below (same counts)
-        t = refs[0].tensor
-        base = t._base
-        # storage users: the saved tensor, its base if it is a view, and the storage object we hold
-        if _storage_use_count(storage._cdata) > (2 if base is None else 3):
-            return True
-        # Python references to the tensor: the SavedRef, ``t`` and getrefcount's argument
-        if sys.getrefcount(t) > 3:
-            return True
-        # to the base: ``base``, the argument and the view's C++ side
-        return base is not None and sys.getrefcount(base) > 3
+    return _held_by_other_than_one(storage, refs[0]) if len(refs) == 1 else _held_by_other_than_many(storage, refs)
+
+
+def _held_by_other_than_one(storage: torch.UntypedStorage, ref: SavedRef) -> bool:
+    """:func:`_held_elsewhere` for one saved reference, the common case: the same counts without the dicts
+    (a third of the host time in a real step; tests check both answers agree)."""
+    t = ref.tensor
+    base = t._base
+    # storage users: the saved tensor, its base if it is a view, and the storage object we hold
+    if _storage_use_count(storage._cdata) > (2 if base is None else 3):
+        return True
+    # Python references to the tensor: the SavedRef, ``t`` and getrefcount's argument
+    if sys.getrefcount(t) > 3:
+        return True
+    # to the base: ``base``, the argument and the view's C++ side
+    return base is not None and sys.getrefcount(base) > 3
+
+
+def _held_by_other_than_many(storage: torch.UntypedStorage, refs: list[SavedRef]) -> bool:
     tensors = {id(r.tensor): r.tensor for r in refs}
     # A view keeps its base alive, so the base counts as ours too (``_base`` is always the root).
     bases = {id(t._base): t._base for t in tensors.values() if t._base is not None}
