@@ -13,6 +13,7 @@ On megatron-core 0.15.x the offload flags need ``mcore-offload patch apply`` fir
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import logging
@@ -28,6 +29,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 logger = logging.getLogger("pretrain_gpt")
+BENCHMARKS = Path(__file__).resolve().parent
+if str(BENCHMARKS) not in sys.path:  # the helper modules beside this script, also when it is imported
+    sys.path.insert(0, str(BENCHMARKS))
 # caching-allocator counters recorded per step (torch.cuda.memory_stats keys)
 ALLOCATOR_COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
 
@@ -87,6 +91,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--memory-timeline", action="store_true", help="log allocated memory around every microbatch")
     a("--profile-steps", type=int, nargs=2, default=None, metavar=("FIRST", "LAST"),
       help="torch.profiler trace of these steps (inclusive), summarised by trace_analysis.py")
+    a("--alternate-offload", action="store_true",
+      help="ours: every odd step runs inside mcore_offload.paused() (no offloading), so one process times both "
+           "kinds under the same host drift; JSON 'alternation': paired overhead with a 95%% interval, Δpeak")
     a("--runtime-breakdown", action="store_true",
       help="ours: time each offload-runtime function from the first timed step (benchmarks/runtime_breakdown.py)")
     a("--cprofile-steps", type=int, nargs=2, default=None, metavar=("FIRST", "LAST"),
@@ -96,6 +103,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--json-out", default=None, help="write every rank's results here (rank 0)")
     a("--label", default="", help="free text stored in the JSON")
     args = p.parse_args(argv)
+    if args.alternate_offload and not args.fine_grained_activation_offloading:
+        p.error("--alternate-offload compares offloaded with plain steps: add --fine-grained-activation-offloading "
+                "and --offload-modules")
     if args.num_microbatches is None:
         args.num_microbatches = max(1, (args.global_batch_size or args.micro_batch_size) // args.micro_batch_size)
     if args.num_layers_per_virtual_pipeline_stage and not args.virtual_pipeline_model_parallel_size:
@@ -111,7 +121,6 @@ def init_distributed(args) -> torch.device:
 
     cuda = torch.cuda.is_available()
     if cuda:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
         from cpu_affinity import bind
 
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -278,9 +287,7 @@ def annotate_offload_runtime() -> None:
 def write_profile(prof, args, rank: int) -> None:
     import gzip
     import shutil
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from trace_analysis import analyse
 
     out = Path(args.profile_dir)
@@ -418,10 +425,15 @@ def main(argv=None) -> int:
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    if args.fine_grained_activation_offloading and mc.__version__.startswith("0.15"):
+    ours = args.fine_grained_activation_offloading and mc.__version__.startswith("0.15")
+    if ours:
         import mcore_offload
 
         mcore_offload.ensure_patched()
+    elif args.alternate_offload:
+        raise SystemExit("--alternate-offload needs ours (megatron-core 0.15.x patched by mcore-offload); "
+                         "drop it for native runs on megatron-core 0.16")
+    alternate = args.alternate_offload
     config = build_config(args)
     chunks = build_model(args, config)
     params = [p for c in chunks for p in c.parameters()]
@@ -432,7 +444,8 @@ def main(argv=None) -> int:
         TIMELINE = []
         logging.getLogger("mcore_offload").setLevel(logging.DEBUG)
     cuda = device.type == "cuda"
-    ours = args.fine_grained_activation_offloading and mc.__version__.startswith("0.15")
+    on_steps: list[bool] = []  # False: a step run inside mcore_offload.paused() (--alternate-offload)
+    step_peaks: list[int] = []
     losses, step_ms, allocated_after, eval_losses = [], [], [], []
     gc_clock = GcClock()
     peak_step = 1
@@ -455,7 +468,6 @@ def main(argv=None) -> int:
         annotate_offload_runtime()
     breakdown = None
     if ours and args.runtime_breakdown:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from runtime_breakdown import RuntimeBreakdown
 
         breakdown = RuntimeBreakdown()
@@ -482,13 +494,19 @@ def main(argv=None) -> int:
         opt.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize()
+            if alternate:  # every step's own peak (the step-1 peak above is still read as usual)
+                torch.cuda.reset_peak_memory_stats()
+        on_steps.append(not (alternate and step % 2))
         gc_clock.start_step()
         t0 = time.perf_counter()
-        out = run_schedule(args, chunks, fb, data, forward_only=False)
+        with contextlib.nullcontext() if on_steps[-1] else mcore_offload.paused():
+            out = run_schedule(args, chunks, fb, data, forward_only=False)
         opt.step()
         if cuda:
             torch.cuda.synchronize()
         step_ms.append((time.perf_counter() - t0) * 1e3)
+        if alternate and cuda:
+            step_peaks.append(torch.cuda.max_memory_allocated())
         gc_clock.end_step()
         if audit is not None:  # untimed: walks every parameter and module
             audit.check(chunks)
@@ -547,12 +565,24 @@ def main(argv=None) -> int:
         row["offload"] = get_summary().as_dict()
         per_step = row["offload"]["per_step"]
         for key in ("stall_ms", "d2h_GBps", "h2d_GBps", "runtime_cpu_ms"):
-            vals = [v for v in per_step[key][args.warmup_steps:] if v is not None]
+            # summary records offloading steps only: with --alternate-offload, every other step
+            skip = (args.warmup_steps + 1) // 2 if alternate else args.warmup_steps
+            vals = [v for v in per_step[key][skip:] if v is not None]
             row[key] = statistics.median(vals) if vals else None
         row["host_bytes_at_peak"] = at_peak
         if breakdown is not None:
             breakdown.recording = False
             row["runtime_breakdown"] = breakdown.as_dict(max(args.train_iters - args.warmup_steps, 1))
+        if alternate:
+            from paired_steps import alternation_summary
+
+            # the first counted step is a plain one (odd), so that the next offloaded step has both neighbours
+            first = args.warmup_steps if args.warmup_steps % 2 else args.warmup_steps + 1
+            row["alternation"] = alternation_summary(step_ms, on_steps, first, step_peaks if cuda else None)
+            row["alternation"]["on_steps"] = on_steps
+            row["alternation"]["step_peaks"] = step_peaks
+            logger.info("rank %d alternating steps: %s", rank,
+                        {k: v for k, v in row["alternation"].items() if k not in ("on_steps", "step_peaks")})
         if audit is not None:
             row["audit"] = audit.as_dict()
             audit.close()

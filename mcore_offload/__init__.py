@@ -16,6 +16,16 @@ __all__ = [
     "ensure_patched",
     "gather_summaries",
     "get_summary",
+    "paused",
     "validate_offload_config",
     "__version__",
 ]
+
+
+def __getattr__(name: str):
+    # ``paused`` lives with the runtime, which imports torch; the planning CLI must not (lazy attribute)
+    if name == "paused":
+        from mcore_offload.runtime.manager import paused
+
+        return paused
+    raise AttributeError(f"module 'mcore_offload' has no attribute {name!r}")

@@ -188,3 +188,47 @@ def test_pretrain_gpt_runtime_breakdown_times_the_runtime_without_changing_the_l
     assert rows["GroupCommit.apply"]["calls_per_step"] == rows["GroupCommit.backward"]["calls_per_step"] > 0
     assert rows["ChunkOffloadHandler.flush"]["us_per_step"] >= rows["Transport.to_host"]["us_per_step"] > 0
     assert "runtime_breakdown" not in out["base"]
+
+
+def test_paired_overhead_cancels_linear_drift_and_bounds_the_median():
+    from paired_steps import alternation_summary, paired_ratios
+
+    # plain steps drift 100 -> 118 ms linearly; offloaded steps cost 5 % more than the drift line at their place
+    steps = [100 + 2 * i for i in range(10)]
+    on = [i % 2 == 0 for i in range(10)]
+    timed = [t * 1.05 if o else t for t, o in zip(steps, on)]
+    ratios = paired_ratios(timed, on, first=2)
+    # steps 4, 6, 8: step 2's left neighbour is a warm-up step, and a one-sided ratio would keep the drift
+    assert len(ratios) == 3 and all(r == pytest.approx(1.05) for r in ratios)
+    assert len(paired_ratios(timed + [200.0], on + [True], first=2)) == 3  # the last step has no right neighbour
+    assert len(paired_ratios(timed + [200.0, 300.0], on + [True, False], first=2)) == 4
+    peaks = [1000 if o else 1500 for o in on]
+    got = alternation_summary(timed, on, 2, peaks)
+    assert got["pairs"] == 3 and got["paired_overhead_pct"] == pytest.approx(5.0)
+    lo, hi = got["paired_overhead_ci95_pct"]
+    assert lo <= got["paired_overhead_pct"] <= hi
+    assert got["delta_peak_bytes"] == 500
+
+
+@pytest.mark.multiproc
+def test_pretrain_gpt_alternate_offload_pauses_every_odd_step_and_keeps_the_loss(tmp_path):
+    out = {}
+    for name, extra in (("base", []), ("ours", ["--fine-grained-activation-offloading", "--offload-modules",
+                                                 "core_attn", "--alternate-offload"])):
+        js = tmp_path / f"{name}.json"
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", "29633",
+             str(ROOT / "benchmarks" / "cpu_launch.py"), *peak_memory.TINY.split(), "--train-iters", "5",
+             "--warmup-steps", "1", "--json-out", str(js), *extra],
+            capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out[name] = json.loads(js.read_text())["ranks"][0]
+    ours = out["ours"]
+    assert ours["loss_hex"] == out["base"]["loss_hex"]
+    alt = ours["alternation"]
+    assert alt["on_steps"] == [True, False, True, False, True]
+    assert ours["offload"]["steps"] == 3  # only the offloading steps left a record
+    assert alt["pairs"] == 1 and "paired_overhead_pct" in alt  # step 2 (step 4 has no right neighbour)
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pretrain_gpt.py"), "--alternate-offload"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--alternate-offload compares offloaded with plain steps" in proc.stderr

@@ -67,9 +67,13 @@ def same(a, b) -> bool:
     return a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
 
 
-def test_cuda_bitwise_equal_pinned_pool_warm_after_step_0_and_telemetry():
+@pytest.mark.parametrize("raw_copy", ["1", "0"], ids=["raw-cudaMemcpyAsync", "torch-copy"])
+def test_cuda_bitwise_equal_pinned_pool_warm_after_step_0_and_telemetry(monkeypatch, raw_copy):
+    monkeypatch.setenv("MCORE_OFFLOAD_RAW_COPY", raw_copy)
     base = cuda_run([], steps=4)
     got = cuda_run(["qkv_linear", "core_attn", "attn_proj"], steps=4)
+    # both copy paths exist on the GPU host: the raw one must really be the one that ran
+    assert [t._memcpy is not None for t in _TRANSPORTS.values()] == [raw_copy == "1"]
     assert all(same(a, b) for a, b in zip(base, got))
     summary = get_summary()
     summary.resolve_link(wait=True)

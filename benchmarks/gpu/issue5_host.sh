@@ -9,7 +9,9 @@
 #    --cpu-bind mode (benchmarks/cpu_affinity.py). Variants "breakdown" / "hooks_breakdown": core_attn / hooks_only
 #    with --runtime-breakdown (host time per runtime function, benchmarks/runtime_breakdown.py); NAME@old runs
 #    NAME with the mcore_offload package found in OLD_TREE (before/after comparisons in one interleaved run);
-#    "attn" and "auto": the attention set and offload_modules=["auto"].
+#    "attn" and "auto": the attention set and offload_modules=["auto"]. alt_NAME: NAME with --alternate-offload
+#    (offloaded and plain steps alternate in one process: the paired overhead, immune to the host's drift);
+#    NAME_torchcopy: PyTorch's copy_ instead of the raw cudaMemcpyAsync (MCORE_OFFLOAD_RAW_COPY=0).
 set -u
 out=${1:?outdir}; mkdir -p "$out"
 { nvidia-smi topo -m; lscpu | head -25; cat /proc/loadavg; } > "$out/host_topology.txt" 2>&1
@@ -25,14 +27,19 @@ for rep in $(seq 1 "${REPS:-2}"); do
       # NAME@old: the same variant with the runtime of another checkout (OLD_TREE, a folder that holds an older
       # mcore_offload package) first on PYTHONPATH; the patched megatron-core tree is the same.
       tree=""; case $name in *@old) tree=${OLD_TREE:?OLD_TREE must name a folder holding an older mcore_offload};; esac
-      case ${name%@old} in baseline) flags="" ;; core_attn) flags=$OFF ;;
+      envs="MCORE_OFFLOAD_RAW_COPY=1"
+      case ${name%@old} in *_torchcopy) envs="MCORE_OFFLOAD_RAW_COPY=0" ;; esac
+      case ${name%@old} in alt_*) alt="--alternate-offload" ;; *) alt="" ;; esac
+      base=${name%@old}; base=${base#alt_}; base=${base%_torchcopy}
+      case $base in baseline) flags="" ;; core_attn) flags=$OFF ;;
         hooks_only) flags="$OFF --min-offloaded-tensor-size 1000000000000" ;;
         attn) flags="--fine-grained-activation-offloading --offload-modules qkv_linear core_attn attn_proj" ;;
         auto) flags="--fine-grained-activation-offloading --offload-modules auto" ;;
         breakdown) flags="$OFF --runtime-breakdown" ;;
         hooks_breakdown) flags="$OFF --min-offloaded-tensor-size 1000000000000 --runtime-breakdown" ;; esac
       i=$((i + 1)); tag=${name/@old/_old}-$bind-$rep
-      PYTHONPATH=${tree:+$tree:}$PYTHONPATH timeout 150 torchrun --nproc-per-node 1 --master-port $((29520 + i)) benchmarks/pretrain_gpt.py $A $flags \
+      env $envs PYTHONPATH=${tree:+$tree:}$PYTHONPATH timeout ${RUN_TIMEOUT:-150} torchrun --nproc-per-node 1 \
+        --master-port $((29520 + i)) benchmarks/pretrain_gpt.py $A $flags $alt \
         --cpu-bind "$bind" --json-out "$out/$tag.json" --label "$name" > "$out/$tag.log" 2>&1 || echo "FAILED $tag"
     done
   done
@@ -48,6 +55,12 @@ for stem, r in runs.items():
     print(f"{stem:24s} median {st.median(t):7.1f}  q10 {q[len(q) // 10]:7.1f}  min {q[0]:7.1f} ms  loss equal {same}  "
           f"host {r.get('runtime_cpu_ms')}  cpus {len(r.get('cpus') or [])}  load {r.get('loadavg')}  "
           f"device mallocs/frees after step 1: {[sum(v[2:]) for v in (r.get('allocator_per_step') or {}).values()]}")
+    alt = r.get("alternation")
+    if alt:
+        print(f"  alternating: {alt['pairs']} pairs, paired overhead {alt.get('paired_overhead_pct')} % "
+              f"(95 % interval {alt.get('paired_overhead_ci95_pct')}), on/off medians {alt['step_ms_on_median']:.1f}"
+              f"/{alt['step_ms_off_median']:.1f} ms, delta peak {(alt.get('delta_peak_bytes') or 0) / 2**20:.0f} MiB, "
+              f"stall {r.get('stall_ms')} ms, d2h {r.get('d2h_GBps')} h2d {r.get('h2d_GBps')} GB/s")
     bd = r.get("runtime_breakdown")
     if bd:
         print(f"  breakdown (inclusive, wrapper {bd['wrapper_us']} us/call):")

@@ -173,6 +173,8 @@ class ChunkOffloadHandler(HandlerBase):
         self.not_offloadable = not_offloadable
         self.transport = transport_for(device)
         self.summary = manager.summary  # the hooks add their host time to it (one attribute hop, not two)
+        self.config: Any = None  # the chunk's TransformerConfig and the points it enables (set by the manager)
+        self.enabled_points: frozenset[str] = frozenset()
         self.groupid_reset()
 
     # ----------------------------------------------------------------------------------------- state

@@ -9,15 +9,17 @@ flushed: when another chunk's forward or backward comes first.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections import Counter
+from collections.abc import Iterator
 from time import perf_counter_ns
 from typing import Any
 
 import torch
 
-from mcore_offload.config import recompute_conflicts, selectively_recomputed
+from mcore_offload.config import OFFLOAD_MODULES, recompute_conflicts, selectively_recomputed
 from mcore_offload.runtime.auto import AUTO, AutoPlanner, Plan, clock_mark, elapsed_ms, parse_auto
 from mcore_offload.runtime.handler import ChunkOffloadHandler, Entry, Group
 from mcore_offload.runtime.transport import reset_transports
@@ -50,6 +52,11 @@ def point_enabled(config: Any, name: str | None) -> bool:
     return False
 
 
+def enabled_points(config: Any) -> frozenset[str]:
+    """The offload points :func:`point_enabled` can answer True for under ``config``."""
+    return frozenset(name for name in OFFLOAD_MODULES if point_enabled(config, name))
+
+
 def _parameter_storages(model: torch.nn.Module) -> tuple[torch.device | None, set[int]]:
     """The chunk's device and the storages of its parameters and main_grad buffers (never offloaded)."""
     params = list(model.parameters())
@@ -71,6 +78,7 @@ class OffloadManager:
         # Opt-in audit (tests, ``pretrain_gpt.py --audit-offloaded``): set to a list and every offloaded
         # storage appends (device address, bytes); the caller checks them against what must stay.
         self.offload_log: list[tuple[int, int]] | None = None
+        self.pause_depth = 0  # > 0 inside ``paused()``: chunks that start forwarding offload nothing
         self.reset_step()
 
     def reset_step(self) -> None:
@@ -101,7 +109,7 @@ class OffloadManager:
         self.open_groups.clear()
         if not getattr(config, "fine_grained_activation_offloading", False):
             return
-        if not model.training or not torch.is_grad_enabled() or _in_backward():
+        if not model.training or not torch.is_grad_enabled() or _in_backward() or self.pause_depth:
             return
         target = parse_auto(config.offload_modules)
         if target is not False and self.auto is None:
@@ -117,6 +125,10 @@ class OffloadManager:
         mb = self._microbatches.get(vp_stage, 0)
         self._microbatches[vp_stage] = mb + 1
         handler = ChunkOffloadHandler(self, vp_stage, mb, device, int(config.min_offloaded_tensor_size), protected)
+        # The points this chunk's config can enable at all: the other points of every layer leave ``offload``
+        # on one set lookup (six of seven points per layer with a one-point set; each lookup is step time).
+        handler.config = config
+        handler.enabled_points = enabled_points(config)
         self.handlers.append(handler)
         self.forward_handler = handler
         self._trained = True
@@ -262,6 +274,22 @@ def get_manager() -> OffloadManager:
     if _MANAGER is None:
         _MANAGER = OffloadManager()
     return _MANAGER
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """No model chunk whose forward starts inside this block offloads anything (nestable).
+
+    For steps that should run as if offloading were off without rebuilding the model: a benchmark that
+    alternates offloaded and plain steps in one process (``pretrain_gpt.py --alternate-offload``), or a step
+    that must not touch host memory. Chunks that started before the block keep offloading.
+    """
+    manager = get_manager()
+    manager.pause_depth += 1
+    try:
+        yield
+    finally:
+        manager.pause_depth -= 1
 
 
 def reset() -> None:

@@ -97,6 +97,9 @@ def offload(name: str | None, config: Any, tensor: torch.Tensor) -> contextlib.A
     # no forward handler: not a training forward, or offloading is off (the common case: a cheap exit)
     if manager is None or manager.forward_handler is None:
         return _Passthrough(tensor)
+    forward = manager.forward_handler
+    if config is forward.config and name not in forward.enabled_points:  # a point this config never enables
+        return _Passthrough(tensor)
     handler = manager.handler_for(config, name)
     if handler is None or not isinstance(tensor, torch.Tensor):
         return _Passthrough(tensor)

@@ -13,6 +13,7 @@ from collections import defaultdict
 
 import torch
 
+from mcore_offload.runtime.cudart import DEVICE_TO_HOST, HOST_TO_DEVICE, load_memcpy_async
 from mcore_offload.runtime.telemetry import LinkTelemetry
 
 logger = logging.getLogger(__name__)
@@ -169,6 +170,11 @@ class CudaTransport(Transport):
         self._d2h_fence = torch.cuda.Event()
         self._h2d_fence = torch.cuda.Event()
         self._streams: dict[int, torch.cuda.Stream] = {}  # stream id -> Stream object, for the raw lookup
+        # Copies go straight to cudaMemcpyAsync on the side streams when the runtime library is found (see
+        # cudart.py): no current-stream switch, no per-copy event of PyTorch's pinned-memory allocator.
+        self._memcpy = load_memcpy_async()
+        self._d2h_handle = self.d2h_stream.cuda_stream
+        self._h2d_handle = self.h2d_stream.cuda_stream
 
     def _current(self) -> torch.cuda.Stream:
         """The current (compute) stream, from a cache keyed by the raw stream id."""
@@ -185,63 +191,80 @@ class CudaTransport(Transport):
         return torch.cuda.Event(enable_timing=self.telemetry.timed)
 
     def to_host(self, storages, keep_alive):
+        d2h = self.d2h_stream
         compute = self._current()
         # The saved tensors were produced on the compute stream: copy only after it reached this point.
         self._d2h_fence.record(compute)
-        _set_stream(self.d2h_stream)
-        try:
-            self.d2h_stream.wait_event(self._d2h_fence)
-            bufs = []
-            waited = None
-            nbytes = 0
-            for storage in storages:
-                n = storage.nbytes()
-                nbytes += n
-                buf, event = self.pool.acquire(n)
-                if event is not None and event is not waited:
-                    # A reused buffer's previous H2D must have read it before we overwrite it (consecutive
-                    # buffers mostly share one reload batch's event: waiting once is enough).
-                    self.d2h_stream.wait_event(event)
-                    waited = event
-                bufs.append(buf)
-            start = self.telemetry.mark(self.d2h_stream)
+        d2h.wait_event(self._d2h_fence)
+        bufs = []
+        waited = None
+        nbytes = 0
+        for storage in storages:
+            n = storage.nbytes()
+            nbytes += n
+            buf, event = self.pool.acquire(n)
+            if event is not None and event is not waited:
+                # A reused buffer's previous H2D must have read it before we overwrite it (consecutive
+                # buffers mostly share one reload batch's event: waiting once is enough).
+                d2h.wait_event(event)
+                waited = event
+            bufs.append(buf)
+        start = self.telemetry.mark(d2h)
+        raw = self._memcpy
+        if raw is not None:
+            handle = self._d2h_handle
             for storage, buf, user in zip(storages, bufs, keep_alive):
-                copy_into_host(buf, storage, non_blocking=True)
+                raw(buf.data_ptr(), storage.data_ptr(), storage.nbytes(), DEVICE_TO_HOST, handle)
                 # The caching allocator must not hand this block out before the copy has read it.
-                user.record_stream(self.d2h_stream)
-            done = self._done_event()
-            done.record(self.d2h_stream)
-            self.telemetry.span("d2h", start, done, nbytes, keep_end=True)
-        finally:
-            _set_stream(compute)
+                user.record_stream(d2h)
+        else:
+            _set_stream(d2h)
+            try:
+                for storage, buf, user in zip(storages, bufs, keep_alive):
+                    copy_into_host(buf, storage, non_blocking=True)
+                    user.record_stream(d2h)
+            finally:
+                _set_stream(compute)
+        done = self._done_event()
+        done.record(d2h)
+        self.telemetry.span("d2h", start, done, nbytes, keep_end=True)
         return bufs, done
 
     def to_device(self, hosts, after, device):
+        h2d = self.h2d_stream
         # Allocated on the compute stream, which is the stream that consumes and later frees them. Byte tensors,
         # not bare storages: a tensor-to-tensor copy costs less host time than storage.copy_.
         out = [torch.empty(host.numel(), dtype=torch.uint8, device=device) for host in hosts]
         compute = self._current()
         # The new blocks may be memory the compute stream has just freed and still reads.
         self._h2d_fence.record(compute)
-        _set_stream(self.h2d_stream)
-        try:
-            self.h2d_stream.wait_event(self._h2d_fence)
-            waited = None
-            for event in after:
-                if event is not None and event is not waited:
-                    # A reload reads the host copy: its own D2H must have finished (upstream bug #7398).
-                    self.h2d_stream.wait_event(event)
-                    waited = event
-            start = self.telemetry.mark(self.h2d_stream)
-            nbytes = 0
+        h2d.wait_event(self._h2d_fence)
+        waited = None
+        for event in after:
+            if event is not None and event is not waited:
+                # A reload reads the host copy: its own D2H must have finished (upstream bug #7398).
+                h2d.wait_event(event)
+                waited = event
+        start = self.telemetry.mark(h2d)
+        nbytes = 0
+        raw = self._memcpy
+        if raw is not None:
+            handle = self._h2d_handle
             for dst, host in zip(out, hosts):
-                dst.copy_(host, non_blocking=True)
-                nbytes += host.numel()
-            done = self._done_event()
-            done.record(self.h2d_stream)
-            self.telemetry.span("h2d", start, done, nbytes, keep_end=True)
-        finally:
-            _set_stream(compute)
+                n = host.numel()
+                raw(dst.data_ptr(), host.data_ptr(), n, HOST_TO_DEVICE, handle)
+                nbytes += n
+        else:
+            _set_stream(h2d)
+            try:
+                for dst, host in zip(out, hosts):
+                    dst.copy_(host, non_blocking=True)
+                    nbytes += host.numel()
+            finally:
+                _set_stream(compute)
+        done = self._done_event()
+        done.record(h2d)
+        self.telemetry.span("h2d", start, done, nbytes, keep_end=True)
         return [dst.untyped_storage() for dst in out], done
 
     def wait(self, event):

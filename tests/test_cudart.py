@@ -1,0 +1,39 @@
+"""The raw-copy binding's lookup (CPU): it only ever binds the CUDA runtime already mapped in the process."""
+
+from __future__ import annotations
+
+from mcore_offload.runtime import cudart
+
+MAPS = """\
+7f1c2a000000-7f1c2a021000 r--p 00000000 103:02 1234   /usr/lib/x86_64-linux-gnu/libc.so.6
+7f1c2b000000-7f1c2b080000 r-xp 00010000 103:02 5678   /site/nvidia/cu13/lib/libcudart.so.13
+7f1c2c000000-7f1c2c001000 rw-p 00000000 00:00 0
+7ffd5e7d0000-7ffd5e7f1000 rw-p 00000000 00:00 0      [stack]
+"""
+
+
+def test_the_mapped_runtime_is_found_in_the_maps_text():
+    assert cudart.mapped_cudart(MAPS) == "/site/nvidia/cu13/lib/libcudart.so.13"
+    assert cudart.mapped_cudart(MAPS.replace("libcudart", "libcublas")) is None
+    assert cudart.mapped_cudart("") is None
+
+
+def test_no_mapped_runtime_means_no_raw_copy(tmp_path):
+    maps = tmp_path / "maps"
+    maps.write_text(MAPS.replace("libcudart", "libcublas"))
+    assert cudart.load_memcpy_async(str(maps)) is None
+
+
+def test_a_runtime_on_disk_but_not_loaded_is_never_bound(tmp_path):
+    # RTLD_NOLOAD: a path that is not already loaded fails instead of loading a second CUDA runtime
+    maps = tmp_path / "maps"
+    maps.write_text(MAPS.replace("/site/nvidia/cu13/lib/libcudart.so.13", str(tmp_path / "libcudart.so.13")))
+    (tmp_path / "libcudart.so.13").write_bytes(b"not a library")
+    assert cudart.load_memcpy_async(str(maps)) is None
+
+
+def test_the_switch_turns_the_raw_path_off(monkeypatch, tmp_path):
+    monkeypatch.setenv("MCORE_OFFLOAD_RAW_COPY", "0")
+    assert cudart.load_memcpy_async("/nonexistent/maps") is None
+    monkeypatch.setenv("MCORE_OFFLOAD_RAW_COPY", "1")
+    assert cudart.load_memcpy_async(str(tmp_path / "missing")) is None  # unreadable maps: no raw path either
