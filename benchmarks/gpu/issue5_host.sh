@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Where the host time of a launch-bound step goes (issue 5). GPU host, project root, 0.15.3 patched:
 #   [COSTS=0] [BINDS="none gpu-local compact"] [VARIANTS="baseline core_attn hooks_only"] [REPS=2] [ITERS=30] \
-#   [LAYERS=4] [OLD_TREE=DIR] \
+#   [LAYERS=4 | CONFIG=A|B|C] [OLD_TREE=DIR] [RUN_TIMEOUT=150] \
 #     bash benchmarks/gpu/issue5_host.sh OUTDIR
 # 1. per-call host cost of each CUDA / autograd primitive on the hot path (benchmarks/gpu/host_costs.py);
 # 2. config A cut to 4 layers (LAYERS), interleaved repetitions of: baseline; ours core_attn; ours core_attn with
@@ -11,7 +11,8 @@
 #    NAME with the mcore_offload package found in OLD_TREE (before/after comparisons in one interleaved run);
 #    "attn" and "auto": the attention set and offload_modules=["auto"]. alt_NAME: NAME with --alternate-offload
 #    (offloaded and plain steps alternate in one process: the paired overhead, immune to the host's drift);
-#    NAME_torchcopy: PyTorch's copy_ instead of the raw cudaMemcpyAsync (MCORE_OFFLOAD_RAW_COPY=0).
+#    NAME_torchcopy: PyTorch's copy_ instead of the raw cudaMemcpyAsync (MCORE_OFFLOAD_RAW_COPY=0); "experts" and
+#    "all5": the MoE sets (CONFIG=C).
 set -u
 out=${1:?outdir}; mkdir -p "$out"
 { nvidia-smi topo -m; lscpu | head -25; cat /proc/loadavg; } > "$out/host_topology.txt" 2>&1
@@ -19,6 +20,11 @@ out=${1:?outdir}; mkdir -p "$out"
 A="--num-layers ${LAYERS:-4} --hidden-size 2048 --num-attention-heads 16 --ffn-hidden-size 8192 --seq-length 4096
    --micro-batch-size 1 --bf16 --transformer-impl transformer_engine --deterministic --num-microbatches 4
    --train-iters ${ITERS:-30} --warmup-steps 5"
+if [ -n "${CONFIG:-}" ]; then  # a configuration of the benchmark matrix (benchmarks/peak_memory.py) instead of A cut
+  model=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import peak_memory as p; c = p.CONFIGS['$CONFIG']
+print(c.model, c.extra)") || exit 1
+  A="$model --train-iters ${ITERS:-30} --warmup-steps 5"
+fi
 OFF="--fine-grained-activation-offloading --offload-modules core_attn"
 i=0
 for rep in $(seq 1 "${REPS:-2}"); do
@@ -35,6 +41,8 @@ for rep in $(seq 1 "${REPS:-2}"); do
         hooks_only) flags="$OFF --min-offloaded-tensor-size 1000000000000" ;;
         attn) flags="--fine-grained-activation-offloading --offload-modules qkv_linear core_attn attn_proj" ;;
         auto) flags="--fine-grained-activation-offloading --offload-modules auto" ;;
+        experts) flags="--fine-grained-activation-offloading --offload-modules expert_fc1 moe_act" ;;
+        all5) flags="--fine-grained-activation-offloading --offload-modules qkv_linear core_attn attn_proj expert_fc1 moe_act" ;;
         breakdown) flags="$OFF --runtime-breakdown" ;;
         hooks_breakdown) flags="$OFF --min-offloaded-tensor-size 1000000000000 --runtime-breakdown" ;; esac
       i=$((i + 1)); tag=${name/@old/_old}-$bind-$rep
