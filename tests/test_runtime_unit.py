@@ -150,9 +150,9 @@ def test_nothing_saved_outlives_the_step_without_the_garbage_collector(monkeypat
     seen = []
     push = ChunkOffloadHandler.tensor_push
 
-    def recording_push(self, tensor, group=None, **kw):
+    def recording_push(self, tensor, group=None, point=None, **kw):
         seen.append(weakref.ref(tensor))
-        return push(self, tensor, group=group, **kw)
+        return push(self, tensor, group, point, **kw)
 
     monkeypatch.setattr(ChunkOffloadHandler, "tensor_push", recording_push)
     model = Toy(cfg("qkv_linear", "core_attn", "attn_proj"))
@@ -193,12 +193,12 @@ def _one_ref_cases():
     from mcore_offload.runtime.handler import Group, SavedRef
 
     group = Group("qkv_linear")
-    sole = SavedRef(torch.randn(64), group)
-    aliased = SavedRef(torch.randn(64), group)
-    named = SavedRef(torch.randn(64), group)
-    view = SavedRef(torch.randn(8, 8)[2:], group)  # its base lives only through the view
+    sole = SavedRef(torch.randn(64), group, "qkv_linear")
+    aliased = SavedRef(torch.randn(64), group, "qkv_linear")
+    named = SavedRef(torch.randn(64), group, "qkv_linear")
+    view = SavedRef(torch.randn(8, 8)[2:], group, "qkv_linear")  # its base lives only through the view
     base_kept = torch.randn(8, 8)
-    view_of_kept = SavedRef(base_kept[2:], group)
+    view_of_kept = SavedRef(base_kept[2:], group, "qkv_linear")
     return [
         ("sole tensor", sole, None, False),
         ("another tensor on the storage", aliased, aliased.tensor.view(8, 8), True),
@@ -352,10 +352,10 @@ def test_exception_inside_a_point_frees_what_the_point_saved(monkeypatch):
     saved = []
     push = ChunkOffloadHandler.tensor_push
 
-    def recording_push(self, tensor, group=None, **kw):
+    def recording_push(self, tensor, group=None, point=None, **kw):
         if group is not None and group.name == "core_attn":
             saved.append(weakref.ref(tensor))
-        return push(self, tensor, group, **kw)
+        return push(self, tensor, group, point, **kw)
 
     monkeypatch.setattr(ChunkOffloadHandler, "tensor_push", recording_push)
     config = cfg("core_attn")

@@ -66,17 +66,19 @@ class Entry:
 class SavedRef:
     """What the pack hook returns for an eligible tensor: the tensor, then (once offloaded) its view."""
 
-    __slots__ = ("tensor", "group", "entry", "dtype", "offset", "size", "stride")
+    __slots__ = ("tensor", "group", "point", "entry", "dtype", "offset", "size", "stride")
 
-    def __init__(self, tensor: torch.Tensor, group: Group) -> None:
+    def __init__(self, tensor: torch.Tensor, group: Group, point: str) -> None:
         self.tensor: torch.Tensor | None = tensor
         self.group = group
+        self.point = point  # the offload point that saved it (a group may span consecutive points)
         self.entry: Entry | None = None
 
 
 @dataclass(eq=False, slots=True)
 class Group:
-    name: str
+    name: str  # the first point of the group
+    points: list[str] = field(default_factory=list)  # every point it spans (see runtime/points.py: chains)
     refs: list[SavedRef] = field(default_factory=list)
     rejected: dict[str, int] = field(default_factory=dict)  # why saved tensors stayed, for the log
     entries: list[Entry] = field(default_factory=list)
@@ -195,7 +197,7 @@ class ChunkOffloadHandler(HandlerBase):
         self.current_group, self.tensor_count_current_group = 0, 0
 
     def open_group(self, name: str) -> Group:
-        group = Group(name, layer=self.layers)
+        group = Group(name, [name], layer=self.layers)
         self.opened.append(group)
         return group
 
@@ -231,8 +233,10 @@ class ChunkOffloadHandler(HandlerBase):
             return "marked not offloadable"
         return None
 
-    def tensor_push(self, tensor: torch.Tensor, group: Group | None = None, **kwargs: Any) -> Any:
-        """Pack hook: keep ineligible tensors as they are, wrap eligible ones for the group."""
+    def tensor_push(self, tensor: torch.Tensor, group: Group | None = None, point: str | None = None,
+                    **kwargs: Any) -> Any:
+        """Pack hook: keep ineligible tensors as they are, wrap eligible ones for the group (``point``: the
+        offload point saving it, by default the group's first)."""
         if group is None or self.finished:
             return tensor
         t0 = perf_counter_ns()
@@ -241,7 +245,7 @@ class ChunkOffloadHandler(HandlerBase):
             group.rejected[reason] = group.rejected.get(reason, 0) + 1
             out: Any = tensor
         else:
-            out = SavedRef(tensor, group)
+            out = SavedRef(tensor, group, point or group.name)
             group.refs.append(out)
         self.summary.runtime_ns += perf_counter_ns() - t0
         return out
@@ -317,14 +321,14 @@ class ChunkOffloadHandler(HandlerBase):
             if _held_elsewhere(st, refs):
                 # Another live tensor (a residual, a mask shared by all layers, a tensor saved outside
                 # the group) keeps the storage: copying it would free nothing.
-                self.manager.on_skipped(refs[0].group.name, st.nbytes())
+                self.manager.on_skipped(refs[0].point, st.nbytes())
                 continue
             to_copy.append((ptr, st, refs))
         if not to_copy:
             return
         hosts, event = self.transport.to_host([st for _, st, _ in to_copy], [refs[0].tensor for _, _, refs in to_copy])
         for (ptr, st, refs), host in zip(to_copy, hosts):
-            entry = Entry(point=refs[0].group.name, nbytes=st.nbytes(), host=host, d2h_event=event, device_ptr=ptr)
+            entry = Entry(point=refs[0].point, nbytes=st.nbytes(), host=host, d2h_event=event, device_ptr=ptr)
             entry.storage_ref = weakref.ref(st, self._released_callback(ptr, entry))
             self.live[ptr] = entry
             self.manager.on_offloaded(entry)
@@ -367,7 +371,8 @@ class ChunkOffloadHandler(HandlerBase):
                 g.kept_on_device = True
                 self.manager.on_kept(g)
                 if self.manager.auto is not None:
-                    self.manager.auto.kept(self.vp_stage, g.layer, g.name)
+                    for point in g.points:
+                        self.manager.auto.kept(self.vp_stage, g.layer, point)
             self.pending = []
         self._reload(group.entries)
         waited: set[int] = set()
@@ -418,6 +423,8 @@ class ChunkOffloadHandler(HandlerBase):
         if group.done:
             return
         group.done = True
+        if self.manager.chain is not None and self.manager.chain[1] is group:
+            self.manager.chain = None  # a broken chain's group whose backward came before any flush
         for entry in group.entries:
             entry.users -= 1
             if entry.users == 0:

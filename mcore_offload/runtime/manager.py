@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 from collections import Counter
 from collections.abc import Iterator
 from time import perf_counter_ns
@@ -79,6 +80,9 @@ class OffloadManager:
         # storage appends (device address, bytes); the caller checks them against what must stay.
         self.offload_log: list[tuple[int, int]] | None = None
         self.pause_depth = 0  # > 0 inside ``paused()``: chunks that start forwarding offload nothing
+        # Consecutive points of one layer share a group (runtime/points.py); MCORE_OFFLOAD_CHAIN_POINTS=0: one
+        # group per point, as before (for comparisons)
+        self.chaining = os.environ.get("MCORE_OFFLOAD_CHAIN_POINTS", "1") != "0"
         self.reset_step()
 
     def reset_step(self) -> None:
@@ -86,6 +90,8 @@ class OffloadManager:
         self.forward_handler: ChunkOffloadHandler | None = None
         # point name -> (handler, group) whose ``offload`` block closed and whose ``commit`` has not come yet
         self.open_groups: dict[str, tuple[ChunkOffloadHandler, Group]] = {}
+        # a committed point whose group the next point of the layer joins: (handler, group, that next point)
+        self.chain: tuple[ChunkOffloadHandler, Group, str] | None = None
         self._microbatches: dict[int | None, int] = {}
         self._protected: dict[int, tuple[torch.device | None, set[int]]] = {}  # id(chunk) -> its storages
         self._measuring_started = False
@@ -102,6 +108,7 @@ class OffloadManager:
             self.summary.runtime_ns += perf_counter_ns() - t0
 
     def _begin_chunk(self, config: Any, vp_stage: int | None, model: torch.nn.Module) -> None:
+        self.close_chain()
         if self.forward_handler is not None:
             self.forward_handler.flush()
             self._forward_ended(self.forward_handler)
@@ -158,6 +165,7 @@ class OffloadManager:
         handler = self.forward_handler
         if handler is not None and not _in_backward():
             t0 = perf_counter_ns()
+            self.close_chain()
             handler.layers += 1
             handler.flush()
             if handler.marks is not None:
@@ -167,20 +175,37 @@ class OffloadManager:
                     self.auto.peak_check(self._peak_reader(), live)
             self.summary.runtime_ns += perf_counter_ns() - t0
 
-    def group_closed(self, group: Group) -> None:
-        if not group.refs and group.name not in self._announced:
-            self._announced.add(group.name)
-            why = ", ".join(f"{n} {r}" for r, n in sorted(group.rejected.items())) or "none saved"
+    def group_closed(self, name: str, group: Group, saved: int, rejected: dict[str, int]) -> None:
+        """Point ``name``'s block ended having added ``saved`` references to ``group`` (and rejected these)."""
+        if not saved and name not in self._announced:
+            self._announced.add(name)
+            why = ", ".join(f"{n} {r}" for r, n in sorted(rejected.items())) or "none saved"
             logger.info(
                 "offload point %s saved no tensor that can be offloaded here (%s); with the "
                 "TransformerEngine spec attn_norm/mlp_norm are fused into the next linear",
-                group.name,
+                name,
                 why,
             )
+
+    def close_chain(self) -> None:
+        """The point a group waited for did not come in this layer: the group is queued as it is.
+
+        It has no commit node, so backward reloads it with the prefetch of a later group or, failing that,
+        when a saved tensor is unpacked (correct, possibly exposed); chains only pair points that always follow
+        each other, so this is the unusual path (an exception, a layer without the second point).
+        """
+        chain = self.chain
+        if chain is not None:
+            self.chain = None
+            handler, group, waited_for = chain
+            logger.debug("offload point %s did not follow %s in this layer", waited_for, group.points[-1])
+            if not group.done:  # a chunk's last layer may reach its backward first: then it stays on the device
+                handler.on_group_commit_forward(group)
 
     # ------------------------------------------------------------------------------ backward side
     def on_backward(self, handler: ChunkOffloadHandler) -> None:
         """A handler's backward is running: the chunk still forwarding-pending must flush first."""
+        self.close_chain()
         fwd = self.forward_handler
         if fwd is not None and fwd is not handler and fwd.pending:
             fwd.flush()
@@ -200,6 +225,8 @@ class OffloadManager:
 
     def end_step(self, aborted: bool = False) -> None:
         """End of a schedule call (training or forward-only, normal or by exception): leave no state."""
+        if not aborted:
+            self.close_chain()
         leftovers = [h for h in self.handlers if not h.finished]
         if aborted and leftovers:
             logger.warning("step aborted: dropping offload state of %d chunk(s)", len(leftovers))
@@ -261,9 +288,12 @@ class OffloadManager:
         self.summary.add(point, "skipped_aliased", nbytes)
 
     def on_kept(self, group: Group) -> None:
-        nbytes = sum(r.tensor.numel() * r.tensor.element_size() for r in group.refs
-                     if r.tensor is not None)
-        self.summary.add(group.name, "kept_on_device", nbytes)
+        nbytes: dict[str, int] = {}
+        for r in group.refs:
+            if r.tensor is not None:
+                nbytes[r.point] = nbytes.get(r.point, 0) + r.tensor.numel() * r.tensor.element_size()
+        for point in group.points:
+            self.summary.add(point, "kept_on_device", nbytes.get(point, 0))
 
 
 _MANAGER: OffloadManager | None = None

@@ -75,6 +75,13 @@ class GroupCommit(torch.autograd.Function):
 _start = _fast_apply(GroupStart)
 _commit_node = _fast_apply(GroupCommit)
 
+# Chains: a point and the point that always comes next in the same layer and consumes its output (so that the
+# next point's backward runs before the first one's, and the shared group is done when the first one's start
+# node runs). With both on, they form one group. Attention's three points run inside SelfAttention.forward;
+# expert_fc1 and moe_act inside one expert MLP forward. Chains never cross from attention to the MLP: a layer
+# of a MoE model with moe_layer_freq may have no experts.
+CHAIN_NEXT: dict[str, str] = {"qkv_linear": "core_attn", "core_attn": "attn_proj", "expert_fc1": "moe_act"}
+
 
 class _Passthrough:
     """The context of a point that is off: hands the tensor through (cheaper than a generator context)."""
@@ -103,27 +110,42 @@ def offload(name: str | None, config: Any, tensor: torch.Tensor) -> contextlib.A
     handler = manager.handler_for(config, name)
     if handler is None or not isinstance(tensor, torch.Tensor):
         return _Passthrough(tensor)
+    chain = manager.chain
+    if chain is not None:
+        if chain[0] is handler and chain[2] == name:  # the previous point left its group open for this one
+            manager.chain = None
+            return _OffloadBlock(manager, handler, name, tensor, chain[1])
+        manager.close_chain()
     return _OffloadBlock(manager, handler, name, tensor)
 
 
 class _OffloadBlock:
-    """The context of a point that is on (a class, not a generator context: it runs once per group and layer)."""
+    """The context of a point that is on (a class, not a generator context: it runs once per group and layer).
 
-    __slots__ = ("manager", "handler", "name", "tensor", "group", "hooks")
+    ``joined``: the open group of the point just before in a chain; the block adds to it, without a start node.
+    """
 
-    def __init__(self, manager: Any, handler: ChunkOffloadHandler, name: str, tensor: torch.Tensor) -> None:
-        self.manager, self.handler, self.name, self.tensor = manager, handler, name, tensor
+    __slots__ = ("manager", "handler", "name", "tensor", "group", "hooks", "refs_before", "rejected_before")
+
+    def __init__(self, manager: Any, handler: ChunkOffloadHandler, name: str, tensor: torch.Tensor,
+                 joined: Group | None = None) -> None:
+        self.manager, self.handler, self.name, self.tensor, self.group = manager, handler, name, tensor, joined
 
     def __enter__(self) -> torch.Tensor:
         t0 = perf_counter_ns()
-        handler, tensor = self.handler, self.tensor
+        handler, tensor, name = self.handler, self.tensor, self.name
         self.tensor = None  # the block does not keep the input alive
-        group = self.group = handler.open_group(self.name)
-        if tensor.requires_grad:
-            tensor = _start(tensor, handler, group)
+        group = self.group
+        if group is None:
+            group = self.group = handler.open_group(name)
+            if tensor.requires_grad:
+                tensor = _start(tensor, handler, group)
+        else:
+            group.points.append(name)
+        self.refs_before, self.rejected_before = len(group.refs), dict(group.rejected)
 
         def pack(saved: torch.Tensor) -> Any:
-            return handler.tensor_push(saved, group)
+            return handler.tensor_push(saved, group, name)
 
         self.hooks = torch.autograd.graph.saved_tensors_hooks(pack, handler.tensor_pop)
         self.hooks.__enter__()
@@ -134,8 +156,12 @@ class _OffloadBlock:
         t0 = perf_counter_ns()
         self.hooks.__exit__(exc_type, exc, tb)
         if exc_type is None:  # a block that raised leaves its group uncommitted (finish() cuts it loose)
-            self.manager.open_groups[self.name] = (self.handler, self.group)
-            self.manager.group_closed(self.group)
+            group = self.group
+            self.manager.open_groups[self.name] = (self.handler, group)
+            saved = len(group.refs) - self.refs_before
+            if not saved:
+                rejected = {k: n - self.rejected_before.get(k, 0) for k, n in group.rejected.items()}
+                self.manager.group_closed(self.name, group, saved, {k: n for k, n in rejected.items() if n})
         self.manager.summary.runtime_ns += perf_counter_ns() - t0
 
 
@@ -150,14 +176,20 @@ def commit(name: str | None, config: Any, value: Any) -> Any:
         return value
     t0 = perf_counter_ns()
     try:
-        return _commit(manager, handler, name, value)
+        return _commit(manager, handler, config, name, value)
     finally:
         manager.summary.runtime_ns += perf_counter_ns() - t0
 
 
-def _commit(manager: Any, handler: ChunkOffloadHandler, name: str, value: Any) -> Any:
+def _commit(manager: Any, handler: ChunkOffloadHandler, config: Any, name: str, value: Any) -> Any:
     opened_by, group = manager.open_groups.pop(name)
     if opened_by is not handler:  # opened by a chunk whose forward has ended
+        return value
+    follower = CHAIN_NEXT.get(name)
+    if follower is not None and manager.chaining and manager.handler_for(config, follower) is handler:
+        # The next point of this layer is on too: it joins this group, so the pair costs one start node, one
+        # commit node and one group's bookkeeping instead of two of each.
+        manager.chain = (handler, group, follower)
         return value
     is_sequence = isinstance(value, (tuple, list))
     tensor = value[0] if is_sequence else value
