@@ -16,6 +16,21 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import peak_memory  # noqa: E402
 
 
+def tiny_base_and_ours(tmp_path, port: int, common: list[str], ours: list[str]) -> tuple[dict, dict]:
+    """``pretrain_gpt.py`` on the tiny CPU model through torchrun, without and with ``ours`` flags: rank 0's rows."""
+    rows = []
+    for name, extra in (("base", []), ("ours", ["--fine-grained-activation-offloading", "--offload-modules", *ours])):
+        js = tmp_path / f"{name}.json"
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(port),
+             str(ROOT / "benchmarks" / "cpu_launch.py"), *peak_memory.TINY.split(), *common, "--json-out", str(js),
+             *extra],
+            capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        rows.append(json.loads(js.read_text())["ranks"][0])
+    return rows[0], rows[1]
+
+
 @pytest.mark.multiproc
 def test_peak_memory_smoke_on_cpu(tmp_path):
     """baseline + ours on the tiny dense model: every run finishes, losses equal, bytes offloaded."""
@@ -124,17 +139,9 @@ def test_trace_analysis_splits_compute_idle_into_cpu_bound_and_gpu_wait():
 @pytest.mark.multiproc
 def test_pretrain_gpt_evaluation_between_steps_offloads_nothing(tmp_path):
     """--eval-interval 1: a forward-only evaluation after every step; training still offloads and matches."""
-    out = {}
-    for name, extra in (("base", []), ("ours", ["--fine-grained-activation-offloading", "--offload-modules",
-                                                 "qkv_linear", "core_attn", "attn_proj"])):
-        js = tmp_path / f"{name}.json"
-        proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", "29631",
-             str(ROOT / "benchmarks" / "cpu_launch.py"), *peak_memory.TINY.split(), "--train-iters", "3",
-             "--eval-interval", "1", "--eval-iters", "2", "--json-out", str(js), *extra],
-            capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        out[name] = json.loads(js.read_text())["ranks"][0]
+    common = ["--train-iters", "3", "--eval-interval", "1", "--eval-iters", "2"]
+    base, ours = tiny_base_and_ours(tmp_path, 29631, common, ["qkv_linear", "core_attn", "attn_proj"])
+    out = {"base": base, "ours": ours}
     assert out["ours"]["loss_hex"] == out["base"]["loss_hex"]
     assert len(out["ours"]["eval_losses"]) == 3 and out["ours"]["eval_losses"] == out["base"]["eval_losses"]
     offload = out["ours"]["offload"]
@@ -169,17 +176,9 @@ def test_cpu_bind_parses_sysfs_cpu_lists_and_refuses_too_few_cores(monkeypatch):
 @pytest.mark.multiproc
 def test_pretrain_gpt_runtime_breakdown_times_the_runtime_without_changing_the_loss(tmp_path):
     """--runtime-breakdown wraps the runtime's functions: every row counted, loss still the baseline's."""
-    out = {}
-    for name, extra in (("base", []), ("ours", ["--fine-grained-activation-offloading", "--offload-modules",
-                                                 "core_attn", "--runtime-breakdown"])):
-        js = tmp_path / f"{name}.json"
-        proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", "29632",
-             str(ROOT / "benchmarks" / "cpu_launch.py"), *peak_memory.TINY.split(), "--train-iters", "3",
-             "--warmup-steps", "1", "--json-out", str(js), *extra],
-            capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        out[name] = json.loads(js.read_text())["ranks"][0]
+    base, ours = tiny_base_and_ours(tmp_path, 29632, ["--train-iters", "3", "--warmup-steps", "1"],
+                                    ["core_attn", "--runtime-breakdown"])
+    out = {"base": base, "ours": ours}
     assert out["ours"]["loss_hex"] == out["base"]["loss_hex"]
     bd = out["ours"]["runtime_breakdown"]
     assert bd["steps"] == 2 and bd["wrapper_us"] > 0
@@ -212,19 +211,9 @@ def test_paired_overhead_cancels_linear_drift_and_bounds_the_median():
 
 @pytest.mark.multiproc
 def test_pretrain_gpt_alternate_offload_pauses_every_odd_step_and_keeps_the_loss(tmp_path):
-    out = {}
-    for name, extra in (("base", []), ("ours", ["--fine-grained-activation-offloading", "--offload-modules",
-                                                 "core_attn", "--alternate-offload"])):
-        js = tmp_path / f"{name}.json"
-        proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", "29633",
-             str(ROOT / "benchmarks" / "cpu_launch.py"), *peak_memory.TINY.split(), "--train-iters", "5",
-             "--warmup-steps", "1", "--json-out", str(js), *extra],
-            capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        out[name] = json.loads(js.read_text())["ranks"][0]
-    ours = out["ours"]
-    assert ours["loss_hex"] == out["base"]["loss_hex"]
+    base, ours = tiny_base_and_ours(tmp_path, 29633, ["--train-iters", "5", "--warmup-steps", "1"],
+                                    ["core_attn", "--alternate-offload"])
+    assert ours["loss_hex"] == base["loss_hex"]
     alt = ours["alternation"]
     assert alt["on_steps"] == [True, False, True, False, True]
     assert ours["offload"]["steps"] == 3  # only the offloading steps left a record
