@@ -175,9 +175,9 @@ class OffloadManager:
                     self.auto.peak_check(self._peak_reader(), live)
             self.summary.runtime_ns += perf_counter_ns() - t0
 
-    def group_closed(self, name: str, group: Group, saved: int, rejected: dict[str, int]) -> None:
-        """Point ``name``'s block ended having added ``saved`` references to ``group`` (and rejected these)."""
-        if not saved and name not in self._announced:
+    def point_saved_nothing(self, name: str, rejected: dict[str, int]) -> None:
+        """Point ``name``'s block ended without a tensor to offload (``rejected``: why its saved tensors stay)."""
+        if name not in self._announced:
             self._announced.add(name)
             why = ", ".join(f"{n} {r}" for r, n in sorted(rejected.items())) or "none saved"
             logger.info(

@@ -142,7 +142,8 @@ class _OffloadBlock:
                 tensor = _start(tensor, handler, group)
         else:
             group.points.append(name)
-        self.refs_before, self.rejected_before = len(group.refs), dict(group.rejected)
+        # what the group held before this block (a chain's group holds the earlier points' too)
+        self.refs_before, self.rejected_before = len(group.refs), (dict(group.rejected) if group.rejected else {})
 
         def pack(saved: torch.Tensor) -> Any:
             return handler.tensor_push(saved, group, name)
@@ -158,10 +159,9 @@ class _OffloadBlock:
         if exc_type is None:  # a block that raised leaves its group uncommitted (finish() cuts it loose)
             group = self.group
             self.manager.open_groups[self.name] = (self.handler, group)
-            saved = len(group.refs) - self.refs_before
-            if not saved:
+            if len(group.refs) == self.refs_before:
                 rejected = {k: n - self.rejected_before.get(k, 0) for k, n in group.rejected.items()}
-                self.manager.group_closed(self.name, group, saved, {k: n for k, n in rejected.items() if n})
+                self.manager.point_saved_nothing(self.name, {k: n for k, n in rejected.items() if n})
         self.manager.summary.runtime_ns += perf_counter_ns() - t0
 
 
