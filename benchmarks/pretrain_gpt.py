@@ -94,6 +94,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--alternate-offload", action="store_true",
       help="ours: every odd step runs inside mcore_offload.paused() (no offloading), so one process times both "
            "kinds under the same host drift; JSON 'alternation': paired overhead with a 95%% interval, Δpeak")
+    a("--host-delay-us", type=float, nargs=2, default=None, metavar=("FWD", "BWD"),
+      help="every other step, spin FWD us at each transformer layer's forward and BWD us at its backward "
+           "(benchmarks/host_delay.py): the paired overhead over the delay is the host time the step exposes; "
+           "JSON 'alternation' and 'host_delay'")
     a("--runtime-breakdown", action="store_true",
       help="ours: time each offload-runtime function from the first timed step (benchmarks/runtime_breakdown.py)")
     a("--cprofile-steps", type=int, nargs=2, default=None, metavar=("FIRST", "LAST"),
@@ -103,6 +107,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--json-out", default=None, help="write every rank's results here (rank 0)")
     a("--label", default="", help="free text stored in the JSON")
     args = p.parse_args(argv)
+    if args.alternate_offload and args.host_delay_us:
+        p.error("--host-delay-us alternates delayed and plain steps itself: drop --alternate-offload")
     if args.alternate_offload and not args.fine_grained_activation_offloading:
         p.error("--alternate-offload compares offloaded with plain steps: add --fine-grained-activation-offloading "
                 "and --offload-modules")
@@ -433,9 +439,15 @@ def main(argv=None) -> int:
     elif args.alternate_offload:
         raise SystemExit("--alternate-offload needs ours (megatron-core 0.15.x patched by mcore-offload); "
                          "drop it for native runs on megatron-core 0.16")
-    alternate = args.alternate_offload
+    alternate = args.alternate_offload or bool(args.host_delay_us)
     config = build_config(args)
     chunks = build_model(args, config)
+    delay = None
+    if args.host_delay_us:
+        from host_delay import HostDelay
+
+        delay = HostDelay(*args.host_delay_us)
+        delay.install(chunks)
     params = [p for c in chunks for p in c.parameters()]
     opt = torch.optim.SGD(params, lr=args.lr)
     fb = get_forward_backward_func()
@@ -497,9 +509,11 @@ def main(argv=None) -> int:
             if alternate:  # every step's own peak (the step-1 peak above is still read as usual)
                 torch.cuda.reset_peak_memory_stats()
         on_steps.append(not (alternate and step % 2))
+        if delay is not None:
+            delay.active = on_steps[-1]
         gc_clock.start_step()
         t0 = time.perf_counter()
-        with contextlib.nullcontext() if on_steps[-1] else mcore_offload.paused():
+        with mcore_offload.paused() if args.alternate_offload and not on_steps[-1] else contextlib.nullcontext():
             out = run_schedule(args, chunks, fb, data, forward_only=False)
         opt.step()
         if cuda:
@@ -573,16 +587,6 @@ def main(argv=None) -> int:
         if breakdown is not None:
             breakdown.recording = False
             row["runtime_breakdown"] = breakdown.as_dict(max(args.train_iters - args.warmup_steps, 1))
-        if alternate:
-            from paired_steps import alternation_summary
-
-            # the first counted step is a plain one (odd), so that the next offloaded step has both neighbours
-            first = args.warmup_steps if args.warmup_steps % 2 else args.warmup_steps + 1
-            row["alternation"] = alternation_summary(step_ms, on_steps, first, step_peaks if cuda else None)
-            row["alternation"]["on_steps"] = on_steps
-            row["alternation"]["step_peaks"] = step_peaks
-            logger.info("rank %d alternating steps: %s", rank,
-                        {k: v for k, v in row["alternation"].items() if k not in ("on_steps", "step_peaks")})
         if audit is not None:
             row["audit"] = audit.as_dict()
             audit.close()
@@ -590,6 +594,19 @@ def main(argv=None) -> int:
         logger.info("rank %d\n%s", rank, get_summary().table(rank))
     elif args.fine_grained_activation_offloading:
         row.update(native_accounting())
+    if alternate:
+        from paired_steps import alternation_summary
+
+        # the first counted step is a plain one (odd), so that the next offloaded step has both neighbours
+        first = args.warmup_steps if args.warmup_steps % 2 else args.warmup_steps + 1
+        row["alternation"] = alternation_summary(step_ms, on_steps, first, step_peaks if cuda else None)
+        row["alternation"]["on_steps"] = on_steps
+        row["alternation"]["step_peaks"] = step_peaks
+        if delay is not None:
+            row["host_delay"] = delay.as_dict(sum(on_steps))
+        logger.info("rank %d alternating steps: %s %s", rank,
+                    {k: v for k, v in row["alternation"].items() if k not in ("on_steps", "step_peaks")},
+                    row.get("host_delay", ""))
     rows = [None] * world
     dist.all_gather_object(rows, row)
     if rank == 0 and args.json_out:

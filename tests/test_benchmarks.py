@@ -221,3 +221,29 @@ def test_pretrain_gpt_alternate_offload_pauses_every_odd_step_and_keeps_the_loss
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pretrain_gpt.py"), "--alternate-offload"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "--alternate-offload compares offloaded with plain steps" in proc.stderr
+
+
+@pytest.mark.multiproc
+def test_pretrain_gpt_host_delay_spins_every_layer_of_every_other_step_and_keeps_the_loss(tmp_path):
+    """--host-delay-us: every layer's forward and backward of the delayed steps spin once; numbers unchanged."""
+    rows = []
+    for name, extra in (("plain", []), ("delay", ["--host-delay-us", "200", "300"])):
+        js = tmp_path / f"{name}.json"
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", "29637",
+             str(ROOT / "benchmarks" / "cpu_launch.py"), *peak_memory.TINY.split(), "--train-iters", "5",
+             "--warmup-steps", "1", "--json-out", str(js), *extra],
+            capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        rows.append(json.loads(js.read_text())["ranks"][0])
+    plain, delayed = rows
+    assert delayed["loss_hex"] == plain["loss_hex"]
+    assert delayed["alternation"]["on_steps"] == [True, False, True, False, True]
+    hd = delayed["host_delay"]
+    # the tiny model: 4 layers x 2 microbatches, one spin each way per layer and microbatch of a delayed step
+    assert hd["fwd_calls_per_delayed_step"] == hd["bwd_calls_per_delayed_step"] == 8
+    assert hd["delay_ms_per_delayed_step"] == pytest.approx(8 * 0.5)
+    assert "host_delay" not in plain
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pretrain_gpt.py"), "--alternate-offload",
+                           "--host-delay-us", "1", "1"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "drop --alternate-offload" in proc.stderr

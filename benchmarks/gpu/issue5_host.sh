@@ -13,7 +13,9 @@
 #    (offloaded and plain steps alternate in one process: the paired overhead, immune to the host's drift);
 #    NAME_torchcopy: PyTorch's copy_ instead of the raw cudaMemcpyAsync (MCORE_OFFLOAD_RAW_COPY=0); NAME_nochain: one
 #    group per point (MCORE_OFFLOAD_CHAIN_POINTS=0; suffix order NAME_torchcopy_nochain); "experts" and
-#    "all5": the MoE sets (CONFIG=C).
+#    "all5": the MoE sets (CONFIG=C). "delayfwd" / "delaybwd": no offloading; every other step spins DELAY_US
+#    (default 500) µs of host time at each layer's forward / backward (benchmarks/host_delay.py): the share of
+#    host time the step exposes there.
 set -u
 out=${1:?outdir}; mkdir -p "$out"
 { nvidia-smi topo -m; lscpu | head -25; cat /proc/loadavg; } > "$out/host_topology.txt" 2>&1
@@ -47,6 +49,8 @@ for rep in $(seq 1 "${REPS:-2}"); do
         experts) flags="--fine-grained-activation-offloading --offload-modules expert_fc1 moe_act" ;;
         all5) flags="--fine-grained-activation-offloading --offload-modules qkv_linear core_attn attn_proj expert_fc1 moe_act" ;;
         breakdown) flags="$OFF --runtime-breakdown" ;;
+        delayfwd) flags="--host-delay-us ${DELAY_US:-500} 0" ;;
+        delaybwd) flags="--host-delay-us 0 ${DELAY_US:-500}" ;;
         hooks_breakdown) flags="$OFF --min-offloaded-tensor-size 1000000000000 --runtime-breakdown" ;; esac
       i=$((i + 1)); tag=${name/@old/_old}-$bind-$rep
       env $envs PYTHONPATH=${tree:+$tree:}$PYTHONPATH timeout ${RUN_TIMEOUT:-150} torchrun --nproc-per-node 1 \
@@ -72,6 +76,11 @@ for stem, r in runs.items():
               f"(95 % interval {alt.get('paired_overhead_ci95_pct')}), on/off medians {alt['step_ms_on_median']:.1f}"
               f"/{alt['step_ms_off_median']:.1f} ms, delta peak {(alt.get('delta_peak_bytes') or 0) / 2**20:.0f} MiB, "
               f"stall {r.get('stall_ms')} ms, d2h {r.get('d2h_GBps')} h2d {r.get('h2d_GBps')} GB/s")
+        hd = r.get("host_delay")
+        if hd and alt.get("paired_overhead_pct") is not None:
+            added = alt["paired_overhead_pct"] / 100 * alt["step_ms_off_median"]
+            print(f"  host delay {hd['delay_ms_per_delayed_step']:.1f} ms/step added -> {added:.1f} ms/step exposed "
+                  f"({added / hd['delay_ms_per_delayed_step']:.2f}); calls {hd}")
     bd = r.get("runtime_breakdown")
     if bd:
         print(f"  breakdown (inclusive, wrapper {bd['wrapper_us']} us/call):")
