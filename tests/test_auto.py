@@ -7,7 +7,18 @@ import logging
 import pytest
 
 from mcore_offload.config import validate_offload_modules
-from mcore_offload.runtime.auto import PROBE_STEPS, ChunkProfile, choose, parse_auto
+from mcore_offload.runtime.auto import (
+    HOST_BUDGET,
+    JOINED_UNIT_COST,
+    PROBE_STEPS,
+    AutoPlanner,
+    ChunkMarks,
+    ChunkProfile,
+    HostCost,
+    choose,
+    host_cost,
+    parse_auto,
+)
 from mcore_offload.runtime.manager import get_manager
 from mcore_offload.summary import get_summary
 from tests.harness.gpt import build_dense_gpt, init_parallel, run_steps
@@ -86,6 +97,88 @@ def test_a_target_beyond_the_hidden_set_adds_exposed_copies():
     hidden = choose({None: prof}, 50.0)
     plan = choose({None: prof}, 50.0, need_bytes=int((hidden.expected_saving_bytes + 50_000_000) / 1.05))
     assert not plan.hidden and plan.expected_saving_bytes > hidden.expected_saving_bytes
+
+
+QKV = ("qkv_linear",)
+
+
+def launch_bound(exposure: float, group_ms: float, budget_ms: float, microbatches: int = 4) -> HostCost:
+    return HostCost(exposure=exposure, group_ms=group_ms, budget_ms=budget_ms, microbatches={None: microbatches})
+
+
+def test_a_launch_bound_step_gets_the_most_bytes_its_host_budget_buys_next_to_the_turnaround():
+    # 8 layers (the last kept on the device), 1 ms of host per group and microbatch, 4 microbatches, 10 ms budget:
+    # the kept layer costs 0.4 x 4 = 1.6 ms; a layer's core attention 4 ms, its qkv_linear joining it 1.6 ms
+    prof = profile(8, 5.0, {CA: 40 * MiB, QKV: 30 * MiB})
+    for u in (CA, QKV):
+        del prof.unit_bytes[(8, u)]
+    prof.kept = {(8, CA), (8, QKV)}
+    plan = choose({None: prof}, link_GBps=1000.0, host=launch_bound(1.0, 1.0, 10.0))
+    # 1.6 + 1.6 (kept) + 4 + 1.6 (layer 7) = 8.8 ms; layer 6's core attention would need 4 more
+    assert {k: set(v) for k, v in plan.points.items() if v} == {(None, 8): {*CA, *QKV}, (None, 7): {*CA, *QKV}}
+    assert plan.host_ms == pytest.approx(8.8) and plan.host_ms <= 10.0 and plan.hidden
+    assert plan.expected_saving_bytes == 70 * MiB
+    assert "host time 8.8 of 10.0 ms/step budget" in plan.describe()
+
+
+def test_a_step_whose_gpu_queue_hides_host_time_offloads_everything_the_link_allows():
+    prof = profile(8, 5.0, {CA: 40 * MiB, QKV: 30 * MiB})
+    hidden_host = choose({None: prof}, link_GBps=1000.0, host=launch_bound(0.0, 1.0, 10.0))
+    assert hidden_host.points == choose({None: prof}, link_GBps=1000.0).points
+    assert len([v for v in hidden_host.points.values() if v]) == 8 and hidden_host.host_ms == 0.0
+
+
+def test_no_affordable_unit_means_an_empty_plan_that_says_why():
+    plan = choose({None: profile(4, 5.0, {CA: 40 * MiB})}, link_GBps=1000.0, host=launch_bound(1.0, 1.0, 2.0))
+    assert not plan.points and "launch-bound" in plan.describe()
+
+
+def test_a_target_outranks_the_host_budget():
+    prof = profile(4, 5.0, {CA: 40 * MiB})
+    plan = choose({None: prof}, link_GBps=1000.0, need_bytes=100 * MiB, host=launch_bound(1.0, 1.0, 2.0))
+    assert plan.expected_saving_bytes >= 100 * MiB and not plan.hidden
+
+
+def test_host_cost_shares_the_probe_host_time_over_groups_and_leaves_out_its_own_exposed_part():
+    units = {None: {(1, CA), (1, QKV), (2, CA)}}  # layer 1: one chained group of two units; layer 2: one group
+    hc = host_cost(runtime_ms=2 * (1 + JOINED_UNIT_COST + 1) * 3.0, wall_ms=500.0, exposure=0.5,
+                   microbatches={None: 2}, unit_layers=units)
+    assert hc.group_ms == pytest.approx(3.0)
+    assert hc.budget_ms == pytest.approx(HOST_BUDGET * (500.0 - 0.5 * 2 * 2.4 * 3.0))
+    assert hc.unit_ms(None, QKV, joined=True) == pytest.approx(0.5 * 3.0 * JOINED_UNIT_COST * 2)
+    unchained = host_cost(6.0, 500.0, 1.0, {None: 1}, units, chaining=False)
+    assert unchained.group_ms == pytest.approx(2.0) and unchained.unit_ms(None, QKV, joined=True) == 2.0
+    assert host_cost(6.0, 500.0, None, {None: 1}, units) is None  # no device clock: not measured
+
+
+class _Mark:
+    def __init__(self, done: bool) -> None:
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_marks_count_the_layer_starts_where_the_gpu_had_caught_up():
+    marks = ChunkMarks(None)
+    for done in (True, False, True, True):
+        marks.layer_started(_Mark(done))
+    # the first start has no predecessor; then the previous marks were True, False, True
+    assert (marks.checks, marks.caught_up) == (3, 2) and len(marks.layers) == 4
+    host = ChunkMarks(None)
+    for t in (1.0, 2.0):
+        host.layer_started(t)  # host clocks (CPU): nothing to compare with
+    assert host.checks == 0
+
+
+def test_a_units_bytes_are_its_storages_summed_per_microbatch():
+    planner = AutoPlanner(None)
+    planner.steps = PROBE_STEPS - 1  # the measured step
+    for mb in range(3):
+        planner.offloaded(None, mb, 1, "core_attn", 10 * MiB)
+        planner.offloaded(None, mb, 1, "attn_proj", 4 * MiB)
+        planner.offloaded(None, mb, 1, "core_attn", (1 + mb) * MiB)
+    assert planner._profiles(lambda a, b: 1.0)[None].unit_bytes == {(1, CA): 16 * MiB}
 
 
 @pytest.fixture(scope="module")

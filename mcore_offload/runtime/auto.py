@@ -9,9 +9,15 @@ events at layer boundaries: real time on the GPU's timeline, launch gaps include
 copy engine has), the bytes each point's storages take per layer, the D2H throughput the link achieved,
 and the peak with the bytes that were off the device at that moment. At the end of that step
 :func:`choose` picks the units (a point, or core_attn with attn_proj, which share attention's output)
-greedily by bytes, keeping each one only if a simulated copy queue still finishes every layer's copies
-before the layer after next starts. Steps after that offload the chosen (chunk, layer, point) only.
-The plan is logged once per rank.
+greedily, keeping each one only if a simulated copy queue still finishes every layer's copies before the
+layer after next starts. Steps after that offload the chosen (chunk, layer, point) only. The plan is logged
+once per rank.
+
+Host time is a cost too. Where the step is launch-bound (the GPU has caught up with the host: at a layer's
+start the previous layer's start mark has already run on the GPU), every microsecond the runtime spends on
+the host is step time (measured: ``benchmarks/host_delay.py``). The probe step measures that share (the
+*exposure*) and the runtime's host time per group; the choice then spends at most :data:`HOST_BUDGET` of the
+step on exposed host time, preferring the units with the most bytes per exposed host millisecond.
 """
 
 from __future__ import annotations
@@ -36,6 +42,16 @@ UNITS: tuple[tuple[str, ...], ...] = (
 LINK_MARGIN = 0.9
 #: A memory target is met with this much to spare (the estimate of the peak is not exact).
 TARGET_MARGIN = 1.05
+#: Share of the plain step that exposed host time of the chosen groups may take (the issue's 2 % less the
+#: per-step costs every offloading step pays: chunk starts, the step end, points that stay off).
+HOST_BUDGET = 0.015
+#: Host time of a unit that joins a group already open in its layer (a chain, runtime/points.py), relative to
+#: a group of its own: its saved tensors and storages cost, the group's nodes, events and bursts do not
+#: (measured on A: core_attn 0.52 ms per group, the chained attention set 0.74 ms).
+JOINED_UNIT_COST = 0.4
+#: Units whose points chain into one group when both are chosen in a layer (runtime/points.py, CHAIN_NEXT).
+FAMILY: dict[tuple[str, ...], str] = {("qkv_linear",): "attention", ("core_attn", "attn_proj"): "attention",
+                                      ("expert_fc1",): "experts", ("moe_act",): "experts"}
 
 
 def parse_auto(modules: Any) -> float | None | bool:
@@ -70,15 +86,34 @@ def unit_of(point: str) -> tuple[str, ...]:
 
 
 class ChunkMarks:
-    """Clock marks of one chunk's forward in the measured step: each layer's start, and the forward's end."""
+    """Clock marks of one chunk's forward in the measured step: each layer's start, and the forward's end.
 
-    __slots__ = ("vp_stage", "layers", "end")
+    ``checks`` / ``caught_up``: layer starts at which the previous layer's start mark was looked at, and how many
+    times the GPU had already reached it (the host was less than a layer ahead: launch-bound there).
+    """
+
+    __slots__ = ("vp_stage", "layers", "end", "checks", "caught_up")
 
     def __init__(self, vp_stage: Any) -> None:
         self.vp_stage = vp_stage
         self.layers: list[Any] = []
         self.end: Any = None
+        self.checks = 0
+        self.caught_up = 0
 
+    def layer_started(self, mark: Any) -> None:
+        """A layer starts (``mark``: its clock mark): note whether the device already ran the previous start."""
+        if self.layers:
+            done = reached(self.layers[-1])
+            if done is not None:
+                self.checks += 1
+                self.caught_up += done
+        self.layers.append(mark)
+
+
+def reached(mark: Any) -> bool | None:
+    """Whether the device has run past ``mark`` (a CUDA event: a query, no wait); None for a host clock."""
+    return None if isinstance(mark, float) else bool(mark.query())
 
 def clock_mark(device: Any) -> Any:
     """A point in time on the device's timeline: a recorded timing event on CUDA, the host clock on CPU."""
@@ -113,14 +148,53 @@ class ChunkProfile:
 
 
 @dataclass
+class HostCost:
+    """What the probe step says about the runtime's host time (see the module docstring)."""
+
+    exposure: float  # share of host time that is step time (1: launch-bound, 0: the GPU's queue hides it)
+    group_ms: float  # host time of one group in one microbatch
+    budget_ms: float  # exposed host time per step the plan may spend
+    microbatches: dict[Any, int]  # forwards per step of each chunk
+    chaining: bool = True  # units of one family share a group (MCORE_OFFLOAD_CHAIN_POINTS)
+
+    def unit_ms(self, vp: Any, unit: tuple[str, ...], joined: bool) -> float:
+        """Exposed host time per step of offloading ``unit`` in one layer of chunk ``vp``."""
+        share = JOINED_UNIT_COST if joined and self.chaining else 1.0
+        return self.exposure * self.group_ms * share * self.microbatches.get(vp, 1)
+
+
+def host_cost(runtime_ms: float, wall_ms: float, exposure: float | None, microbatches: dict[Any, int],
+              unit_layers: dict[Any, set[tuple[int, tuple[str, ...]]]], chaining: bool = True) -> HostCost | None:
+    """The probe's host figures as a :class:`HostCost` (None where no exposure could be measured: the CPU).
+
+    ``unit_layers``: per chunk, the (layer, unit) the probe offloaded or kept; the probe's host time is shared
+    out over them as groups (a unit joining its family's group in the same layer counts JOINED_UNIT_COST).
+    """
+    if exposure is None:
+        return None
+    groups = 0.0
+    for vp, units in unit_layers.items():
+        per_layer: dict[tuple[int, str], int] = defaultdict(int)
+        for layer, unit in units:
+            per_layer[(layer, FAMILY.get(unit, unit[0]) if chaining else unit[0])] += 1
+        groups += microbatches.get(vp, 1) * sum(1 + JOINED_UNIT_COST * (n - 1) if chaining else n
+                                                for n in per_layer.values())
+    group_ms = runtime_ms / groups if groups else 0.0
+    plain_ms = max(wall_ms - exposure * runtime_ms, 0.0)
+    return HostCost(exposure, group_ms, HOST_BUDGET * plain_ms, dict(microbatches), chaining)
+
+
+@dataclass
 class Plan:
     """The chosen (chunk, layer) -> points, and what the choice expects."""
 
     points: dict[tuple[Any, int], frozenset[str]]
     expected_saving_bytes: int
-    hidden: bool  # every chosen copy fits the simulated link
+    hidden: bool  # every chosen copy fits the simulated link (and the host budget)
     link_GBps: float
     note: str = ""
+    host: HostCost | None = None  # the host-time model the choice used (None: host time not counted)
+    host_ms: float = 0.0  # exposed host time per step the chosen units are expected to cost
 
     def enabled(self, vp_stage: Any, layer: int, point: str) -> bool:
         return point in self.points.get((vp_stage, layer), ())
@@ -131,8 +205,11 @@ class Plan:
             if pts:
                 by_chunk[vp].append(f"L{layer}:{'+'.join(sorted(pts))}")
         chunks = "; ".join(f"chunk {vp}: {' '.join(v)}" for vp, v in by_chunk.items()) or "nothing"
+        host = "" if self.host is None else (
+            f", host time {self.host_ms:.1f} of {self.host.budget_ms:.1f} ms/step budget (exposure "
+            f"{self.host.exposure:.2f}, {self.host.group_ms:.2f} ms per group)")
         return (f"{chunks} | expected peak saving {self.expected_saving_bytes / 2**30:.2f} GiB, link "
-                f"{self.link_GBps:.1f} GB/s, copies {'hidden' if self.hidden else 'partly exposed'}"
+                f"{self.link_GBps:.1f} GB/s{host}, copies {'hidden' if self.hidden else 'partly exposed'}"
                 + (f" ({self.note})" if self.note else ""))
 
 
@@ -163,22 +240,58 @@ def _finish_times(profile: ChunkProfile, chosen: dict[int, int], rate_bpms: floa
     return True
 
 
-def choose(profiles: dict[Any, ChunkProfile], link_GBps: float, need_bytes: int | None = None) -> Plan:
-    """Pick units per (chunk, layer); see the module docstring. ``need_bytes``: the peak saving to reach."""
+def _family(unit: tuple[str, ...]) -> str:
+    return FAMILY.get(unit, unit[0])
+
+
+def _host_ms(host: HostCost | None, picked: list, profiles: dict[Any, ChunkProfile]) -> float:
+    """Exposed host time per step of ``picked`` units, with the kept units they bring along."""
+    if host is None or not picked:
+        return 0.0
+    seen: set[tuple[Any, int, str]] = set()
+    total = 0.0
+    for _, vp, layer, unit in picked:
+        key = (vp, layer, _family(unit))
+        total += host.unit_ms(vp, unit, joined=key in seen)
+        seen.add(key)
+    # a kept unit's group never copies, but its nodes and hooks run (they start the first prefetch)
+    total += sum(host.unit_ms(vp, unit, joined=True) for vp, p in profiles.items() for _, unit in p.kept)
+    return total
+
+
+def choose(profiles: dict[Any, ChunkProfile], link_GBps: float, need_bytes: int | None = None,
+           host: HostCost | None = None) -> Plan:
+    """Pick units per (chunk, layer); see the module docstring. ``need_bytes``: the peak saving to reach;
+    ``host``: the probe's host-time model (None: host time is not counted, as on the CPU)."""
     rate = link_GBps * LINK_MARGIN * 1e6  # bytes per ms
-    items = sorted(((nbytes, vp, layer, unit) for vp, p in profiles.items()
-                    for (layer, unit), nbytes in p.unit_bytes.items() if nbytes > 0),
-                   key=lambda x: (-x[0], str(x[1]), x[2], x[3]))
+    remaining = [(nbytes, vp, layer, unit) for vp, p in profiles.items()
+                 for (layer, unit), nbytes in p.unit_bytes.items() if nbytes > 0]
     chosen: dict[Any, dict[int, int]] = {vp: {} for vp in profiles}
+    families: set[tuple[Any, int, str]] = set()
     picked: list[tuple[int, Any, int, tuple[str, ...]]] = []
     exposed: list[tuple[int, Any, int, tuple[str, ...]]] = []
-    for item in items:
-        nbytes, vp, layer, _ = item
+
+    def cost(item: tuple) -> float:
+        _, vp, layer, unit = item
+        return 0.0 if host is None else host.unit_ms(vp, unit, joined=(vp, layer, _family(unit)) in families)
+
+    def rank(item: tuple) -> tuple:
+        # most bytes per exposed host ms first; then the larger unit; then the later layer (next to the chunk's
+        # turnaround, so that each chosen layer's backward prefetches the one before it)
+        c = cost(item)
+        return (item[0] / c if c > 0 else float("inf"), item[0], item[2], str(item[1]))
+
+    while remaining:
+        item = max(remaining, key=rank)
+        remaining.remove(item)
+        nbytes, vp, layer, unit = item
         trial = dict(chosen[vp])
         trial[layer] = trial.get(layer, 0) + nbytes
-        if _finish_times(profiles[vp], trial, rate):
+        fits_host = host is None or _host_ms(host, [*picked, item], profiles) <= host.budget_ms
+        if fits_host and _finish_times(profiles[vp], trial, rate):
             chosen[vp] = trial
             picked.append(item)
+            families.add((vp, layer, _family(unit)))
         else:
             exposed.append(item)
 
@@ -192,7 +305,7 @@ def choose(profiles: dict[Any, ChunkProfile], link_GBps: float, need_bytes: int 
             picked, note = [], "the peak is already under the target"
         elif saving(picked) >= need:
             kept: list = []
-            for item in picked:  # largest first: the fewest groups that reach the target
+            for item in picked:  # best first: the cheapest groups that reach the target
                 if saving(kept) >= need:
                     break
                 kept.append(item)
@@ -206,6 +319,8 @@ def choose(profiles: dict[Any, ChunkProfile], link_GBps: float, need_bytes: int 
             if saving(picked) < need:
                 note = (f"target not reachable: offloading everything saves about "
                         f"{saving(picked) / 2**30:.2f} GiB of the {need_bytes / 2**30:.2f} GiB needed")
+    elif host is not None and exposed and not picked:
+        note = "no unit fits the host-time budget: the step is launch-bound and offloading would cost step time"
     points: dict[tuple[Any, int], set[str]] = defaultdict(set)
     for _, vp, layer, unit in picked:
         points[(vp, layer)].update(unit)
@@ -213,7 +328,8 @@ def choose(profiles: dict[Any, ChunkProfile], link_GBps: float, need_bytes: int 
         for vp, p in profiles.items():
             for layer, unit in p.kept:
                 points[(vp, layer)].update(unit)
-    return Plan({k: frozenset(v) for k, v in points.items()}, saving(picked), hidden, link_GBps, note)
+    return Plan({k: frozenset(v) for k, v in points.items()}, saving(picked), hidden, link_GBps, note, host,
+                _host_ms(host, picked, profiles))
 
 
 class AutoPlanner:
@@ -224,7 +340,10 @@ class AutoPlanner:
         self.steps = 0
         self.plan: Plan | None = None
         self._marks: list[ChunkMarks] = []  # the measured step's handlers
-        self._bytes: dict[Any, dict[tuple[int, tuple[str, ...]], list[int]]] = defaultdict(lambda: defaultdict(list))
+        # chunk -> (layer, unit) -> microbatch -> bytes offloaded in the measured step
+        self._bytes: dict[Any, dict[tuple[int, tuple[str, ...]], dict[int, int]]] = defaultdict(
+            lambda: defaultdict(lambda: defaultdict(int)))
+        self._probe_t0: float | None = None  # host clock at the measured step's first chunk start
         self._live_at_peak: dict[Any, int] = {}
         self._kept: dict[Any, set[tuple[int, tuple[str, ...]]]] = defaultdict(set)
         self._peak_seen = -1
@@ -240,13 +359,16 @@ class AutoPlanner:
     def chunk_started(self, vp_stage: Any) -> ChunkMarks | None:
         if not self.measuring:
             return None
+        if self._probe_t0 is None:
+            self._probe_t0 = time.perf_counter()
         marks = ChunkMarks(vp_stage)
         self._marks.append(marks)
         return marks
 
-    def offloaded(self, vp_stage: Any, layer: int, point: str, nbytes: int) -> None:
+    def offloaded(self, vp_stage: Any, microbatch: int, layer: int, point: str, nbytes: int) -> None:
+        """One storage of ``point`` left the device in the measured step (a unit's bytes: the sum per microbatch)."""
         if self.measuring:
-            self._bytes[vp_stage][(layer, unit_of(point))].append(nbytes)
+            self._bytes[vp_stage][(layer, unit_of(point))][microbatch] += nbytes
 
     def kept(self, vp_stage: Any, layer: int, point: str) -> None:
         if self.measuring:
@@ -261,17 +383,26 @@ class AutoPlanner:
 
     # ----------------------------------------------------------------------------------- planning
     def step_ended(self, elapsed: Any, link_GBps: float | None, peak_bytes: int | None,
-                   off_device_at_peak: int) -> Plan | None:
-        """End of a training step; at the end of the probe, build the plan (``elapsed_ms(a, b)`` reads marks)."""
+                   off_device_at_peak: int, runtime_ms: float = 0.0, chaining: bool = True) -> Plan | None:
+        """End of a training step; at the end of the probe, build the plan (``elapsed_ms(a, b)`` reads marks;
+        ``runtime_ms``: the runtime's host time in the step)."""
         self.steps += 1
         if self.plan is not None or self.steps < PROBE_STEPS:
             return None
+        wall_ms = (time.perf_counter() - self._probe_t0) * 1e3 if self._probe_t0 is not None else 0.0
         profiles = self._profiles(elapsed)
+        checks = sum(m.checks for m in self._marks)
+        exposure = sum(m.caught_up for m in self._marks) / checks if checks else None
+        microbatches: dict[Any, int] = defaultdict(int)
+        for m in self._marks:
+            microbatches[m.vp_stage] += 1
+        units = {vp: set(p.unit_bytes) | p.kept for vp, p in profiles.items()}
+        host = host_cost(runtime_ms, wall_ms, exposure, microbatches, units, chaining)
         need = None
         if self.target_gib is not None and peak_bytes is not None:
             # The probe offloaded everything: without offloading the peak would be higher by what was off.
             need = peak_bytes + off_device_at_peak - int(self.target_gib * 2**30)
-        self.plan = choose(profiles, link_GBps or 1.0, need)
+        self.plan = choose(profiles, link_GBps or 1.0, need, host)
         logger.info("offload auto plan%s: %s", "" if self.target_gib is None else f" (target {self.target_gib} GiB)",
                     self.plan.describe())
         self._marks.clear()
@@ -294,7 +425,7 @@ class AutoPlanner:
             if tails[vp]:
                 prof.layer_ms[last] = 0.0  # the last layer's time is inside the tail
                 prof.tail_ms = statistics.median(tails[vp])
-            prof.unit_bytes = {k: int(statistics.median(v)) for k, v in self._bytes[vp].items()}
+            prof.unit_bytes = {k: int(statistics.median(v.values())) for k, v in self._bytes[vp].items()}
             prof.live_at_peak = max(1, self._live_at_peak.get(vp, 1))
             prof.kept = set(self._kept[vp])
             out[vp] = prof

@@ -333,7 +333,8 @@ class ChunkOffloadHandler(HandlerBase):
             self.live[ptr] = entry
             self.manager.on_offloaded(entry)
             if self.manager.auto is not None:
-                self.manager.auto.offloaded(self.vp_stage, refs[0].group.layer, entry.point, entry.nbytes)
+                self.manager.auto.offloaded(self.vp_stage, self.microbatch, refs[0].group.layer, entry.point,
+                                            entry.nbytes)
             self._attach(entry, refs)
 
     def _released_callback(self, ptr: int, entry: Entry):

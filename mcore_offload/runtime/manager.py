@@ -169,7 +169,7 @@ class OffloadManager:
             handler.layers += 1
             handler.flush()
             if handler.marks is not None:
-                handler.marks.layers.append(clock_mark(handler.device))
+                handler.marks.layer_started(clock_mark(handler.device))
                 if self._peak_reader is not None:
                     live = Counter(h.vp_stage for h in self.handlers if not h.finished)
                     self.auto.peak_check(self._peak_reader(), live)
@@ -255,7 +255,10 @@ class OffloadManager:
                 self._peak_reader = None
             if link is None:  # CPU: copies are memcpy, never the limit
                 link = 1000.0
-        return self.auto.step_ended(elapsed_ms, link, peak, self.summary.off_device_at_peak_bytes)
+        last = self.summary.last_step
+        runtime_ms = last.runtime_cpu_ms if last is not None and last.runtime_cpu_ms is not None else 0.0
+        return self.auto.step_ended(elapsed_ms, link, peak, self.summary.off_device_at_peak_bytes, runtime_ms,
+                                    self.chaining)
 
     # ------------------------------------------------------------------------------------ counters
     def on_offloaded(self, entry: Entry) -> None:
