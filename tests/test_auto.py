@@ -19,7 +19,6 @@ from mcore_offload.runtime.auto import (
     host_cost,
     parse_auto,
 )
-from mcore_offload.runtime.handler import ChunkOffloadHandler
 from mcore_offload.runtime.manager import get_manager
 from mcore_offload.summary import get_summary
 from tests.harness.gpt import build_dense_gpt, init_parallel, run_steps
@@ -160,32 +159,16 @@ class _Mark:
         return self.done
 
 
-def test_marks_count_the_runtime_spans_during_which_the_gpu_ran_dry():
+def test_marks_count_the_layer_starts_where_the_gpu_had_caught_up():
     marks = ChunkMarks(None)
-    for done in (True, False, True):
-        marks.span_ended(_Mark(done))
-    assert (marks.checks, marks.caught_up) == (3, 2)
-    marks.span_ended(1.0)  # a host clock (CPU): nothing to compare with
-    assert marks.checks == 3
-
-
-def test_the_probe_step_checks_every_flush_and_every_group_backward(_parallel, monkeypatch):
-    """On a real model the measured step looks at the device after each layer's flush and each group's backward
-    (on the CPU the marks are host clocks, so here only the calls are counted)."""
-    seen, backwards = [], []
-    monkeypatch.setattr(ChunkMarks, "span_ended", lambda self, mark: seen.append(type(mark)))
-    commit_backward = ChunkOffloadHandler._commit_backward
-
-    def counted(self, group):
-        backwards.append(self.marks is not None)
-        commit_backward(self, group)
-
-    monkeypatch.setattr(ChunkOffloadHandler, "_commit_backward", counted)
-    overrides = dict(fine_grained_activation_offloading=True, offload_modules=["auto"], min_offloaded_tensor_size=512)
-    run_steps(build_dense_gpt(num_layers=3, config_overrides=overrides), n_steps=PROBE_STEPS, num_microbatches=2,
-              seq_len=16, micro_batch_size=2, lr=0.1)
-    # the measured (last) step: 2 microbatches x 3 layer boundaries, and every group's backward in it
-    assert sum(backwards) > 0 and len(seen) == 2 * 3 + sum(backwards) and set(seen) == {float}
+    for done in (True, False, True, True):
+        marks.layer_started(_Mark(done))
+    # the first start has no predecessor; then the previous marks were True, False, True
+    assert (marks.checks, marks.caught_up) == (3, 2) and len(marks.layers) == 4
+    host = ChunkMarks(None)
+    for t in (1.0, 2.0):
+        host.layer_started(t)  # host clocks (CPU): nothing to compare with
+    assert host.checks == 0
 
 
 def test_a_units_bytes_are_its_storages_summed_per_microbatch():

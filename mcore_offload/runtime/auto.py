@@ -13,12 +13,11 @@ greedily, keeping each one only if a simulated copy queue still finishes every l
 layer after next starts. Steps after that offload the chosen (chunk, layer, point) only. The plan is logged
 once per rank.
 
-Host time is a cost too. Where the step is launch-bound (the GPU runs dry while the runtime works on the
-host: a mark recorded when a flush or a group's backward starts has already run when it ends), every
-microsecond the runtime spends on the host is step time (measured: ``benchmarks/host_delay.py``). The probe
-step measures the share of such spans (the *exposure*) and the runtime's host time per group; the choice
-then spends at most :data:`HOST_BUDGET` of the step on exposed host time, preferring the units with the most
-bytes per exposed host millisecond.
+Host time is a cost too. Where the step is launch-bound (the GPU has caught up with the host: at a layer's
+start the previous layer's start mark has already run on the GPU), every microsecond the runtime spends on
+the host is step time (measured: ``benchmarks/host_delay.py``). The probe step measures that share (the
+*exposure*) and the runtime's host time per group; the choice then spends at most :data:`HOST_BUDGET` of the
+step on exposed host time, preferring the units with the most bytes per exposed host millisecond.
 """
 
 from __future__ import annotations
@@ -89,11 +88,11 @@ def unit_of(point: str) -> tuple[str, ...]:
 class ChunkMarks:
     """Clock marks of one chunk's forward in the measured step: each layer's start, and the forward's end.
 
-    ``checks`` / ``caught_up``: runtime work spans (a layer boundary's flush, a group's backward reload) at whose
-    start a mark was recorded, and how many of those marks the GPU had already run when the span ended: the
-    GPU's queue ran dry while the host was busy with the runtime, so (part of) that host time was step time.
-    A mark at a layer start would not do: a host synchronisation (MoE token counts) drains the queue without
-    the host being the bottleneck.
+    ``checks`` / ``caught_up``: layer starts at which the previous layer's start mark was looked at, and how many
+    times the GPU had already reached it (the host was less than a layer ahead: launch-bound there). On the H100
+    this share matched the measured exposure (B: 0.25 against 0.25 from the attention set's overhead over its host
+    time; A and C: ~1). A narrower test (a mark at a flush's start, checked at its end) read 0.50 on A and 0.01 on
+    B: in a launch-bound step a queue that is not yet empty still runs dry later, so it is no test.
     """
 
     __slots__ = ("vp_stage", "layers", "end", "checks", "caught_up")
@@ -105,12 +104,14 @@ class ChunkMarks:
         self.checks = 0
         self.caught_up = 0
 
-    def span_ended(self, mark: Any) -> None:
-        """A runtime span that began with ``mark`` ended: note whether the device already ran past the mark."""
-        done = reached(mark)
-        if done is not None:
-            self.checks += 1
-            self.caught_up += done
+    def layer_started(self, mark: Any) -> None:
+        """A layer starts (``mark``: its clock mark): note whether the device already ran the previous start."""
+        if self.layers:
+            done = reached(self.layers[-1])
+            if done is not None:
+                self.checks += 1
+                self.caught_up += done
+        self.layers.append(mark)
 
 
 def reached(mark: Any) -> bool | None:

@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mcore_offload.runtime.auto import clock_mark
 from mcore_offload.runtime.base import HandlerBase
 from mcore_offload.runtime.transport import transport_for
 
@@ -366,14 +365,6 @@ class ChunkOffloadHandler(HandlerBase):
         """Backward reached the group: make its storages resident and prefetch the previous group."""
         if group is None or self.finished:
             return
-        if self.marks is not None:  # the auto probe: did the GPU run dry while this group's backward ran here?
-            start = clock_mark(self.device)
-            self._commit_backward(group)
-            self.marks.span_ended(start)
-        else:
-            self._commit_backward(group)
-
-    def _commit_backward(self, group: Group) -> None:
         self.manager.on_backward(self)
         if not self.backward_started:
             self.backward_started = True

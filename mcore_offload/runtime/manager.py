@@ -167,14 +167,9 @@ class OffloadManager:
             t0 = perf_counter_ns()
             self.close_chain()
             handler.layers += 1
-            marks = handler.marks
-            if marks is None:
-                handler.flush()
-            else:  # the probe step: the layer's start, and whether the GPU ran dry during the flush
-                start = clock_mark(handler.device)
-                marks.layers.append(start)
-                handler.flush()
-                marks.span_ended(start)
+            handler.flush()
+            if handler.marks is not None:
+                handler.marks.layer_started(clock_mark(handler.device))
                 if self._peak_reader is not None:
                     live = Counter(h.vp_stage for h in self.handlers if not h.finished)
                     self.auto.peak_check(self._peak_reader(), live)
