@@ -166,6 +166,10 @@ class HostCost:
         return self.exposure * self.group_ms * share * self.microbatches.get(vp, 1)
 
 
+def _family(unit: tuple[str, ...]) -> str:
+    return FAMILY.get(unit, unit[0])
+
+
 def host_cost(runtime_ms: float, wall_ms: float, exposure: float | None, microbatches: dict[Any, int],
               unit_layers: dict[Any, set[tuple[int, tuple[str, ...]]]], chaining: bool = True) -> HostCost | None:
     """The probe's host figures as a :class:`HostCost` (None where no exposure could be measured: the CPU).
@@ -179,7 +183,7 @@ def host_cost(runtime_ms: float, wall_ms: float, exposure: float | None, microba
     for vp, units in unit_layers.items():
         per_layer: dict[tuple[int, str], int] = defaultdict(int)
         for layer, unit in units:
-            per_layer[(layer, FAMILY.get(unit, unit[0]) if chaining else unit[0])] += 1
+            per_layer[(layer, _family(unit) if chaining else unit[0])] += 1
         groups += microbatches.get(vp, 1) * sum(1 + JOINED_UNIT_COST * (n - 1) if chaining else n
                                                 for n in per_layer.values())
     group_ms = runtime_ms / groups if groups else 0.0
@@ -243,23 +247,22 @@ def _finish_times(profile: ChunkProfile, chosen: dict[int, int], rate_bpms: floa
     return True
 
 
-def _family(unit: tuple[str, ...]) -> str:
-    return FAMILY.get(unit, unit[0])
-
-
 def _host_ms(host: HostCost | None, picked: list, profiles: dict[Any, ChunkProfile]) -> float:
     """Exposed host time per step of ``picked`` units, with the kept units they bring along."""
     if host is None or not picked:
         return 0.0
     seen: set[tuple[Any, int, str]] = set()
-    total = 0.0
+    total = _kept_ms(host, profiles)
     for _, vp, layer, unit in picked:
         key = (vp, layer, _family(unit))
         total += host.unit_ms(vp, unit, joined=key in seen)
         seen.add(key)
-    # a kept unit's group never copies, but its nodes and hooks run (they start the first prefetch)
-    total += sum(host.unit_ms(vp, unit, joined=True) for vp, p in profiles.items() for _, unit in p.kept)
     return total
+
+
+def _kept_ms(host: HostCost, profiles: dict[Any, ChunkProfile]) -> float:
+    """A kept unit's group never copies, but its nodes and hooks run (they start the first prefetch)."""
+    return sum(host.unit_ms(vp, unit, joined=True) for vp, p in profiles.items() for _, unit in p.kept)
 
 
 def choose(profiles: dict[Any, ChunkProfile], link_GBps: float, need_bytes: int | None = None,
@@ -284,17 +287,19 @@ def choose(profiles: dict[Any, ChunkProfile], link_GBps: float, need_bytes: int 
         c = cost(item)
         return (item[0] / c if c > 0 else float("inf"), item[0], item[2], str(item[1]))
 
+    spent = 0.0 if host is None else _kept_ms(host, profiles)  # the first pick brings the kept units along
     while remaining:
         item = max(remaining, key=rank)
         remaining.remove(item)
         nbytes, vp, layer, unit = item
         trial = dict(chosen[vp])
         trial[layer] = trial.get(layer, 0) + nbytes
-        fits_host = host is None or _host_ms(host, [*picked, item], profiles) <= host.budget_ms
-        if fits_host and _finish_times(profiles[vp], trial, rate):
+        c = cost(item)
+        if (host is None or spent + c <= host.budget_ms) and _finish_times(profiles[vp], trial, rate):
             chosen[vp] = trial
             picked.append(item)
             families.add((vp, layer, _family(unit)))
+            spent += c
         else:
             exposed.append(item)
 

@@ -244,19 +244,18 @@ class OffloadManager:
 
     def _plan(self) -> Plan | None:
         """End of an auto step: at the end of the measured one, read its clocks and choose (syncs once)."""
-        link, peak = None, None
+        link, peak, runtime_ms = None, None, 0.0
         if self.auto.measuring:
             self.summary.resolve_link(wait=True)
             last = self.summary.last_step
             link = last.link.d2h_GBps if last is not None and last.link is not None else None
+            runtime_ms = last.runtime_cpu_ms if last is not None and last.runtime_cpu_ms is not None else 0.0
             if self._peak_reader is not None:
                 peak = self._peak_reader()
                 self.summary.stop_tracking_peak()
                 self._peak_reader = None
             if link is None:  # CPU: copies are memcpy, never the limit
                 link = 1000.0
-        last = self.summary.last_step
-        runtime_ms = last.runtime_cpu_ms if last is not None and last.runtime_cpu_ms is not None else 0.0
         return self.auto.step_ended(elapsed_ms, link, peak, self.summary.off_device_at_peak_bytes, runtime_ms,
                                     self.chaining)
 
