@@ -98,6 +98,9 @@ def parse_args(argv=None) -> argparse.Namespace:
       help="every other step, spin FWD us at each transformer layer's forward and BWD us at its backward "
            "(benchmarks/host_delay.py): the paired overhead over the delay is the host time the step exposes; "
            "JSON 'alternation' and 'host_delay'")
+    a("--time-syncs", action="store_true",
+      help="host time blocked in Tensor.cpu/.item/.tolist of CUDA tensors per step (benchmarks/sync_wait.py); "
+           "JSON 'sync_wait'")
     a("--runtime-breakdown", action="store_true",
       help="ours: time each offload-runtime function from the first timed step (benchmarks/runtime_breakdown.py)")
     a("--cprofile-steps", type=int, nargs=2, default=None, metavar=("FIRST", "LAST"),
@@ -448,6 +451,12 @@ def main(argv=None) -> int:
 
         delay = HostDelay(*args.host_delay_us)
         delay.install(chunks)
+    syncs = None
+    if args.time_syncs:
+        from sync_wait import SyncWait
+
+        syncs = SyncWait()
+        syncs.install()
     params = [p for c in chunks for p in c.parameters()]
     opt = torch.optim.SGD(params, lr=args.lr)
     fb = get_forward_backward_func()
@@ -513,8 +522,12 @@ def main(argv=None) -> int:
             delay.active = on_steps[-1]
         gc_clock.start_step()
         t0 = time.perf_counter()
+        if syncs is not None:
+            syncs.start_step()
         with mcore_offload.paused() if args.alternate_offload and not on_steps[-1] else contextlib.nullcontext():
             out = run_schedule(args, chunks, fb, data, forward_only=False)
+        if syncs is not None:
+            syncs.end_step()
         opt.step()
         if cuda:
             torch.cuda.synchronize()
@@ -594,6 +607,9 @@ def main(argv=None) -> int:
         logger.info("rank %d\n%s", rank, get_summary().table(rank))
     elif args.fine_grained_activation_offloading:
         row.update(native_accounting())
+    if syncs is not None:
+        syncs.uninstall()
+        row["sync_wait"] = syncs.as_dict(on_steps if alternate else None, args.warmup_steps)
     if alternate:
         from paired_steps import alternation_summary
 

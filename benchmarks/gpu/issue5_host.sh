@@ -13,7 +13,9 @@
 #    (offloaded and plain steps alternate in one process: the paired overhead, immune to the host's drift);
 #    NAME_torchcopy: PyTorch's copy_ instead of the raw cudaMemcpyAsync (MCORE_OFFLOAD_RAW_COPY=0); NAME_nochain: one
 #    group per point (MCORE_OFFLOAD_CHAIN_POINTS=0; suffix order NAME_torchcopy_nochain); "experts" and
-#    "all5": the MoE sets (CONFIG=C). "delayfwd" / "delaybwd": no offloading; every other step spins DELAY_US
+#    "all5": the MoE sets (CONFIG=C); NAME_atexp: MoE layers flush at their experts, after the token dispatcher's
+#    host read (MCORE_OFFLOAD_FLUSH_AT_EXPERTS=1; outermost suffix). SYNCS=1 adds --time-syncs (host time in
+#    .cpu/.item/.tolist per step, benchmarks/sync_wait.py). "delayfwd" / "delaybwd": no offloading; every other step spins DELAY_US
 #    (default 500) µs of host time at each layer's forward / backward (benchmarks/host_delay.py): the share of
 #    host time the step exposes there.
 set -u
@@ -36,12 +38,13 @@ for rep in $(seq 1 "${REPS:-2}"); do
       # NAME@old: the same variant with the runtime of another checkout (OLD_TREE, a folder that holds an older
       # mcore_offload package) first on PYTHONPATH; the patched megatron-core tree is the same.
       tree=""; case $name in *@old) tree=${OLD_TREE:?OLD_TREE must name a folder holding an older mcore_offload};; esac
-      raw=1; chain=1
+      raw=1; chain=1; atexp=0
+      case ${name%@old} in *_atexp) atexp=1 ;; esac
       case ${name%@old} in *_torchcopy*) raw=0 ;; esac
       case ${name%@old} in *_nochain*) chain=0 ;; esac
-      envs="MCORE_OFFLOAD_RAW_COPY=$raw MCORE_OFFLOAD_CHAIN_POINTS=$chain"
+      envs="MCORE_OFFLOAD_RAW_COPY=$raw MCORE_OFFLOAD_CHAIN_POINTS=$chain MCORE_OFFLOAD_FLUSH_AT_EXPERTS=$atexp"
       case ${name%@old} in alt_*) alt="--alternate-offload" ;; *) alt="" ;; esac
-      base=${name%@old}; base=${base#alt_}; base=${base%_nochain}; base=${base%_torchcopy}
+      base=${name%@old}; base=${base#alt_}; base=${base%_atexp}; base=${base%_nochain}; base=${base%_torchcopy}
       case $base in baseline) flags="" ;; core_attn) flags=$OFF ;;
         hooks_only) flags="$OFF --min-offloaded-tensor-size 1000000000000" ;;
         attn) flags="--fine-grained-activation-offloading --offload-modules qkv_linear core_attn attn_proj" ;;
@@ -54,7 +57,7 @@ for rep in $(seq 1 "${REPS:-2}"); do
         hooks_breakdown) flags="$OFF --min-offloaded-tensor-size 1000000000000 --runtime-breakdown" ;; esac
       i=$((i + 1)); tag=${name/@old/_old}-$bind-$rep
       env $envs PYTHONPATH=${tree:+$tree:}$PYTHONPATH timeout ${RUN_TIMEOUT:-150} torchrun --nproc-per-node 1 \
-        --master-port $((29520 + i)) benchmarks/pretrain_gpt.py $A $flags $alt \
+        --master-port $((29520 + i)) benchmarks/pretrain_gpt.py $A $flags $alt ${SYNCS:+--time-syncs} \
         --cpu-bind "$bind" --json-out "$out/$tag.json" --label "$name" > "$out/$tag.log" 2>&1 || echo "FAILED $tag"
     done
   done
@@ -81,6 +84,10 @@ for stem, r in runs.items():
             added = alt["paired_overhead_pct"] / 100 * alt["step_ms_off_median"]
             print(f"  host delay {hd['delay_ms_per_delayed_step']:.1f} ms/step added -> {added:.1f} ms/step exposed "
                   f"({added / hd['delay_ms_per_delayed_step']:.2f}); calls {hd}")
+    sw = r.get("sync_wait")
+    if sw:
+        print(f"  sync reads: on/off medians {sw.get('on_median_ms')} / {sw.get('off_median_ms')} ms per step, "
+              f"calls {sw['calls_per_step'][-1]}")
     bd = r.get("runtime_breakdown")
     if bd:
         print(f"  breakdown (inclusive, wrapper {bd['wrapper_us']} us/call):")

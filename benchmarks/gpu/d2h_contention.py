@@ -1,0 +1,100 @@
+"""Does a small blocking device-to-host read wait for an offload burst running on another stream?
+
+The MoE token dispatcher of megatron-core reads its token counts with ``tensor.cpu()`` once per MoE layer and
+microbatch (``MoEAllGatherTokenDispatcher.dispatch_postprocess``): a small D2H copy on the compute stream and a
+host synchronisation. If that copy queues on the copy engine behind an offload burst of ~100 MiB issued just
+before on the D2H side stream, the host waits for the burst, and in a launch-bound step that wait is step time.
+
+For each case the script issues the burst (or nothing), lets ``--lead-us`` pass, then times ``small.cpu()`` on
+the host, ``--reps`` times, and reports the median latency and the burst's own duration and throughput:
+
+- ``idle``: no burst (the latency floor);
+- ``d2h_1``, ``d2h_4``, ``d2h_16``: a D2H burst of ``--burst-mib`` MiB into pinned memory as 1, 4 or 16 copies;
+- ``h2d_1``: the same bytes host to device (the other direction, for reference);
+- ``d2h_1_lowprio``: the burst on a stream of the lowest priority, the read on the default stream.
+
+Run on the GPU host: ``python3 benchmarks/gpu/d2h_contention.py --out OUT.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+
+def burst(stream: torch.cuda.Stream, dst: list[torch.Tensor], src: list[torch.Tensor]) -> tuple:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record(stream)
+    with torch.cuda.stream(stream):
+        for d, s in zip(dst, src):
+            d.copy_(s, non_blocking=True)
+    end.record(stream)
+    return start, end
+
+
+def spin_us(us: float) -> None:
+    end = time.perf_counter_ns() + int(us * 1000)
+    while time.perf_counter_ns() < end:
+        pass
+
+
+def run_case(name: str, pieces: int, direction: str, stream: torch.cuda.Stream, nbytes: int, reps: int,
+             lead_us: float) -> dict:
+    dev = torch.device("cuda")
+    n = nbytes // pieces
+    gpu = [torch.empty(n, dtype=torch.uint8, device=dev) for _ in range(pieces)]
+    host = [torch.empty(n, dtype=torch.uint8, pin_memory=True) for _ in range(pieces)]
+    small = torch.arange(16, device=dev, dtype=torch.long)
+    lat, burst_ms = [], []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        ev = None
+        if pieces:
+            ev = burst(stream, host, gpu) if direction == "d2h" else burst(stream, gpu, host)
+        spin_us(lead_us)
+        t0 = time.perf_counter_ns()
+        small.cpu()
+        lat.append((time.perf_counter_ns() - t0) / 1e3)
+        torch.cuda.synchronize()
+        if ev is not None:
+            burst_ms.append(ev[0].elapsed_time(ev[1]))
+    row = {"case": name, "pieces": pieces, "direction": direction, "read_us_median": statistics.median(lat),
+           "read_us_min": min(lat), "read_us_max": max(lat)}
+    if burst_ms:
+        ms = statistics.median(burst_ms)
+        row.update(burst_ms_median=ms, burst_GBps=nbytes / ms / 1e6)
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--burst-mib", type=int, default=128)
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--lead-us", type=float, default=100.0, help="host time between issuing the burst and the read")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    nbytes = args.burst_mib << 20
+    side = torch.cuda.Stream()
+    lo, hi = torch.cuda.Stream.priority_range() if hasattr(torch.cuda.Stream, "priority_range") else (0, -1)
+    low = torch.cuda.Stream(priority=lo)
+    cases = [("idle", 0, "d2h", side), ("d2h_1", 1, "d2h", side), ("d2h_4", 4, "d2h", side),
+             ("d2h_16", 16, "d2h", side), ("h2d_1", 1, "h2d", side), ("d2h_1_lowprio", 1, "d2h", low)]
+    run_case("warmup", 1, "d2h", side, nbytes, 3, args.lead_us)
+    rows = []
+    for name, pieces, direction, stream in cases:
+        row = run_case(name, pieces, direction, stream, nbytes, args.reps, args.lead_us)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "burst_mib": args.burst_mib,
+              "lead_us": args.lead_us, "reps": args.reps, "priority_range": [lo, hi], "cases": rows}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
