@@ -247,3 +247,39 @@ def test_pretrain_gpt_host_delay_spins_every_layer_of_every_other_step_and_keeps
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pretrain_gpt.py"), "--alternate-offload",
                            "--host-delay-us", "1", "1"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "drop --alternate-offload" in proc.stderr
+
+
+def test_sync_wait_times_only_recorded_calls_and_restores_the_methods(monkeypatch):
+    """--time-syncs: host time and calls inside the wrapped methods, per recorded step; uninstall leaves the
+    classes as they were (``torch.Tensor.cpu`` is inherited, so it is deleted again, not overwritten)."""
+    import time
+
+    import sync_wait
+    import torch
+
+    class Device:
+        def synchronize(self) -> None:
+            time.sleep(0.003)
+
+    original = Device.synchronize
+    monkeypatch.setattr(sync_wait, "TARGETS", ((Device, "synchronize", False), (torch.Tensor, "cpu", True)))
+    syncs = sync_wait.SyncWait()
+    syncs.install()
+    try:
+        Device().synchronize()  # not recording: not counted
+        for flag in (True, False):
+            syncs.start_step()
+            Device().synchronize()
+            if flag:
+                Device().synchronize()
+            torch.ones(2).cpu()  # a CPU tensor: never counted
+            syncs.end_step()
+    finally:
+        syncs.uninstall()
+    assert Device.synchronize is original and "cpu" not in torch.Tensor.__dict__
+    out = syncs.as_dict([True, False], 0)
+    assert out["calls_per_step"] == [2, 1]
+    assert out["per_step_ms"][0] >= 6 and 3 <= out["per_step_ms"][1] < out["per_step_ms"][0]
+    assert out["on_median_ms"] == pytest.approx(out["per_step_ms"][0], abs=1e-3)
+    assert out["off_median_ms"] == pytest.approx(out["per_step_ms"][1], abs=1e-3)
+    assert set(out["total_ms_by_call"]) == {"Device.synchronize"}

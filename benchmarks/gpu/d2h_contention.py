@@ -45,9 +45,9 @@ def spin_us(us: float) -> None:
 def run_case(name: str, pieces: int, direction: str, stream: torch.cuda.Stream, nbytes: int, reps: int,
              lead_us: float) -> dict:
     dev = torch.device("cuda")
-    n = nbytes // pieces
-    gpu = [torch.empty(n, dtype=torch.uint8, device=dev) for _ in range(pieces)]
-    host = [torch.empty(n, dtype=torch.uint8, pin_memory=True) for _ in range(pieces)]
+    n = nbytes // max(pieces, 1)
+    gpu = [torch.empty(n, dtype=torch.uint8, device=dev) for _ in range(max(pieces, 1))]
+    host = [torch.empty(n, dtype=torch.uint8, pin_memory=True) for _ in range(max(pieces, 1))]
     small = torch.arange(16, device=dev, dtype=torch.long)
     lat, burst_ms = [], []
     for _ in range(reps):
