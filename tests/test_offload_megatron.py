@@ -85,48 +85,6 @@ def test_bitwise_equal_and_every_offloaded_byte_released_and_restored(moe, point
     assert not get_manager().handlers
 
 
-def test_flush_at_experts_moves_each_burst_after_the_dispatchers_read_and_changes_no_number(monkeypatch):
-    """MCORE_OFFLOAD_FLUSH_AT_EXPERTS=1: in a MoE layer the previous layer's groups leave at the experts, after
-    the token dispatcher's host read of its token counts; numbers and bytes stay what they were."""
-    from megatron.core.transformer.moe import token_dispatcher
-
-    from mcore_offload.runtime import manager as manager_module
-    from mcore_offload.runtime.transport import Transport
-
-    events: list[str] = []
-    postprocess, to_host = token_dispatcher.MoEAllGatherTokenDispatcher.dispatch_postprocess, Transport.to_host
-
-    def dispatch(self, *a, **kw):
-        events.append("read")
-        return postprocess(self, *a, **kw)
-
-    def copy(self, *a, **kw):
-        events.append("d2h")
-        return to_host(self, *a, **kw)
-
-    monkeypatch.setattr(token_dispatcher.MoEAllGatherTokenDispatcher, "dispatch_postprocess", dispatch)
-    monkeypatch.setattr(Transport, "to_host", copy)
-    runs = {}
-    for flag in ("0", "1"):
-        monkeypatch.setenv("MCORE_OFFLOAD_FLUSH_AT_EXPERTS", flag)
-        manager_module.reset()
-        events.clear()
-        result = train(True, offload(*MOE_POINTS))
-        runs[flag] = (result, dict(get_summary().last_step.points), list(events))
-    assert_bitwise(baseline(True), runs["1"][0])
-    assert_bitwise(runs["0"][0], runs["1"][0])
-    assert runs["0"][1] == runs["1"][1]  # the same bytes offloaded, released and reloaded per point
-    # a step's forward of one microbatch: layer 1 reads; then every later layer bursts the layer before it, at
-    # its start (off: the burst comes before the read) or at its experts (on: after the read)
-    per_microbatch = LAYERS * 2
-    for flag, (_, _, seq) in runs.items():
-        first = seq[:per_microbatch]
-        assert first[0] == "read" and first.count("d2h") == LAYERS - 1
-        expected = ["read"] + (["read", "d2h"] if flag == "1" else ["d2h", "read"]) * (LAYERS - 1)
-        assert first[:len(expected)] == expected, (flag, first)
-    manager_module.reset()
-
-
 def test_eval_and_no_grad_between_steps_offload_nothing():
     chunks = build_dense_gpt(num_layers=LAYERS, config_overrides=offload(*DENSE_POINTS))
     ref_chunks = build_dense_gpt(num_layers=LAYERS)

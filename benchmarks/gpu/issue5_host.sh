@@ -13,9 +13,8 @@
 #    (offloaded and plain steps alternate in one process: the paired overhead, immune to the host's drift);
 #    NAME_torchcopy: PyTorch's copy_ instead of the raw cudaMemcpyAsync (MCORE_OFFLOAD_RAW_COPY=0); NAME_nochain: one
 #    group per point (MCORE_OFFLOAD_CHAIN_POINTS=0; suffix order NAME_torchcopy_nochain); "experts" and
-#    "all5": the MoE sets (CONFIG=C); NAME_atexp: MoE layers flush at their experts, after the token dispatcher's
-#    host read (MCORE_OFFLOAD_FLUSH_AT_EXPERTS=1; outermost suffix). SYNCS=1 adds --time-syncs (host time in
-#    .cpu/.item/.tolist per step, benchmarks/sync_wait.py). "delayfwd" / "delaybwd": no offloading; every other step spins DELAY_US
+#    "all5": the MoE sets (CONFIG=C). SYNCS=1 adds --time-syncs (host time blocked in .cpu/.item/.tolist and
+#    Event/Stream.synchronize per step, benchmarks/sync_wait.py). "delayfwd" / "delaybwd": no offloading; every other step spins DELAY_US
 #    (default 500) µs of host time at each layer's forward / backward (benchmarks/host_delay.py): the share of
 #    host time the step exposes there.
 set -u
@@ -38,13 +37,12 @@ for rep in $(seq 1 "${REPS:-2}"); do
       # NAME@old: the same variant with the runtime of another checkout (OLD_TREE, a folder that holds an older
       # mcore_offload package) first on PYTHONPATH; the patched megatron-core tree is the same.
       tree=""; case $name in *@old) tree=${OLD_TREE:?OLD_TREE must name a folder holding an older mcore_offload};; esac
-      raw=1; chain=1; atexp=0
-      case ${name%@old} in *_atexp) atexp=1 ;; esac
+      raw=1; chain=1
       case ${name%@old} in *_torchcopy*) raw=0 ;; esac
       case ${name%@old} in *_nochain*) chain=0 ;; esac
-      envs="MCORE_OFFLOAD_RAW_COPY=$raw MCORE_OFFLOAD_CHAIN_POINTS=$chain MCORE_OFFLOAD_FLUSH_AT_EXPERTS=$atexp"
+      envs="MCORE_OFFLOAD_RAW_COPY=$raw MCORE_OFFLOAD_CHAIN_POINTS=$chain"
       case ${name%@old} in alt_*) alt="--alternate-offload" ;; *) alt="" ;; esac
-      base=${name%@old}; base=${base#alt_}; base=${base%_atexp}; base=${base%_nochain}; base=${base%_torchcopy}
+      base=${name%@old}; base=${base#alt_}; base=${base%_nochain}; base=${base%_torchcopy}
       case $base in baseline) flags="" ;; core_attn) flags=$OFF ;;
         hooks_only) flags="$OFF --min-offloaded-tensor-size 1000000000000" ;;
         attn) flags="--fine-grained-activation-offloading --offload-modules qkv_linear core_attn attn_proj" ;;

@@ -177,7 +177,6 @@ class ChunkOffloadHandler(HandlerBase):
         self.summary = manager.summary  # the hooks add their host time to it (one attribute hop, not two)
         self.config: Any = None  # the chunk's TransformerConfig and the points it enables (set by the manager)
         self.enabled_points: frozenset[str] = frozenset()
-        self.moe = False  # the chunk has MoE layers (set by the manager; see OffloadManager.layer_boundary)
         self.groupid_reset()
 
     # ----------------------------------------------------------------------------------------- state
@@ -294,14 +293,9 @@ class ChunkOffloadHandler(HandlerBase):
             self.pending.append(group)
         self.current_group += 1
 
-    def flush(self, before_layer: int | None = None) -> None:
-        """Start D2H for every pending group (``before_layer``: of the layers before that one) and drop our
-        device references (TE: bulk offload)."""
-        if before_layer is None or all(g.layer < before_layer for g in self.pending):
-            groups, self.pending = self.pending, []
-        else:
-            groups = [g for g in self.pending if g.layer < before_layer]
-            self.pending = [g for g in self.pending if g.layer >= before_layer]
+    def flush(self) -> None:
+        """Start D2H for every pending group and drop our device references (TE: bulk offload)."""
+        groups, self.pending = self.pending, []
         if not groups or self.finished:
             return
         by_storage: dict[int, tuple[torch.UntypedStorage, list[SavedRef]]] = {}

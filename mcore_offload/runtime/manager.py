@@ -83,9 +83,6 @@ class OffloadManager:
         # Consecutive points of one layer share a group (runtime/points.py); MCORE_OFFLOAD_CHAIN_POINTS=0: one
         # group per point, as before (for comparisons)
         self.chaining = os.environ.get("MCORE_OFFLOAD_CHAIN_POINTS", "1") != "0"
-        # In MoE layers the previous layer's groups leave at the experts (after the token dispatcher's host read
-        # of its token counts), not at the layer's start; MCORE_OFFLOAD_FLUSH_AT_EXPERTS=0: at the start
-        self.flush_at_experts = os.environ.get("MCORE_OFFLOAD_FLUSH_AT_EXPERTS", "0") == "1"
         self.reset_step()
 
     def reset_step(self) -> None:
@@ -95,8 +92,6 @@ class OffloadManager:
         self.open_groups: dict[str, tuple[ChunkOffloadHandler, Group]] = {}
         # a committed point whose group the next point of the layer joins: (handler, group, that next point)
         self.chain: tuple[ChunkOffloadHandler, Group, str] | None = None
-        # a forwarding handler whose previous layer's groups wait for this layer's experts (flush_at_experts)
-        self.deferred: ChunkOffloadHandler | None = None
         self._microbatches: dict[int | None, int] = {}
         self._protected: dict[int, tuple[torch.device | None, set[int]]] = {}  # id(chunk) -> its storages
         self._measuring_started = False
@@ -114,7 +109,6 @@ class OffloadManager:
 
     def _begin_chunk(self, config: Any, vp_stage: int | None, model: torch.nn.Module) -> None:
         self.close_chain()
-        self.deferred = None
         if self.forward_handler is not None:
             self.forward_handler.flush()
             self._forward_ended(self.forward_handler)
@@ -142,7 +136,6 @@ class OffloadManager:
         # on one set lookup (six of seven points per layer with a one-point set; each lookup is step time).
         handler.config = config
         handler.enabled_points = enabled_points(config)
-        handler.moe = bool(getattr(config, "num_moe_experts", None))
         self.handlers.append(handler)
         self.forward_handler = handler
         self._trained = True
@@ -174,29 +167,12 @@ class OffloadManager:
             t0 = perf_counter_ns()
             self.close_chain()
             handler.layers += 1
-            if self.flush_at_experts and handler.moe:
-                # The token dispatcher of this layer reads its token counts on the host (``.cpu()``: a small D2H
-                # copy on the compute stream); started here, the previous layer's offload burst would be ahead
-                # of that read on the copy engine, and the host would wait for the burst. So the burst starts
-                # at this layer's experts (flush_before_experts), after the read.
-                if self.deferred is handler:  # the previous layer had no experts: its wait ends here
-                    handler.flush()
-                self.deferred = handler
-            else:
-                handler.flush()
+            handler.flush()
             if handler.marks is not None:
                 handler.marks.layer_started(clock_mark(handler.device))
                 if self._peak_reader is not None:
                     live = Counter(h.vp_stage for h in self.handlers if not h.finished)
                     self.auto.peak_check(self._peak_reader(), live)
-            self.summary.runtime_ns += perf_counter_ns() - t0
-
-    def flush_before_experts(self) -> None:
-        """The experts of a MoE layer start: the groups of the layers before it leave the device now."""
-        handler, self.deferred = self.deferred, None
-        if handler is not None and handler is self.forward_handler:
-            t0 = perf_counter_ns()
-            handler.flush(before_layer=handler.layers)
             self.summary.runtime_ns += perf_counter_ns() - t0
 
     def point_saved_nothing(self, name: str, rejected: dict[str, int]) -> None:
@@ -230,9 +206,6 @@ class OffloadManager:
     def on_backward(self, handler: ChunkOffloadHandler) -> None:
         """A handler's backward is running: the chunk still forwarding-pending must flush first."""
         self.close_chain()
-        deferred, self.deferred = self.deferred, None
-        if deferred is handler:  # its last layer had no experts: the layers before it still leave
-            handler.flush(before_layer=handler.layers)
         fwd = self.forward_handler
         if fwd is not None and fwd is not handler and fwd.pending:
             fwd.flush()

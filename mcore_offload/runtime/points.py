@@ -104,8 +104,6 @@ def offload(name: str | None, config: Any, tensor: torch.Tensor) -> contextlib.A
     # no forward handler: not a training forward, or offloading is off (the common case: a cheap exit)
     if manager is None or manager.forward_handler is None:
         return _Passthrough(tensor)
-    if manager.deferred is not None and name == "expert_fc1":
-        manager.flush_before_experts()
     forward = manager.forward_handler
     if config is forward.config and name not in forward.enabled_points:  # a point this config never enables
         return _Passthrough(tensor)
