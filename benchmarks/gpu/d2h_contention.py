@@ -11,7 +11,8 @@ the host, ``--reps`` times, and reports the median latency and the burst's own d
 - ``idle``: no burst (the latency floor);
 - ``d2h_1``, ``d2h_4``, ``d2h_16``: a D2H burst of ``--burst-mib`` MiB into pinned memory as 1, 4 or 16 copies;
 - ``h2d_1``: the same bytes host to device (the other direction, for reference);
-- ``d2h_1_lowprio``: the burst on a stream of the lowest priority, the read on the default stream.
+- ``d2h_1_read_high``: the read on a stream of the highest priority (the burst as in ``d2h_1``; PyTorch's
+  default priority 0 is already the lowest, so only the reader's priority can differ).
 
 Run on the GPU host: ``python3 benchmarks/gpu/d2h_contention.py --out OUT.json``.
 """
@@ -43,7 +44,7 @@ def spin_us(us: float) -> None:
 
 
 def run_case(name: str, pieces: int, direction: str, stream: torch.cuda.Stream, nbytes: int, reps: int,
-             lead_us: float) -> dict:
+             lead_us: float, reader: torch.cuda.Stream | None = None) -> dict:
     dev = torch.device("cuda")
     n = nbytes // max(pieces, 1)
     gpu = [torch.empty(n, dtype=torch.uint8, device=dev) for _ in range(max(pieces, 1))]
@@ -57,7 +58,12 @@ def run_case(name: str, pieces: int, direction: str, stream: torch.cuda.Stream, 
             ev = burst(stream, host, gpu) if direction == "d2h" else burst(stream, gpu, host)
         spin_us(lead_us)
         t0 = time.perf_counter_ns()
-        small.cpu()
+        if reader is None:
+            small.cpu()
+        else:
+            reader.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(reader):
+                small.cpu()
         lat.append((time.perf_counter_ns() - t0) / 1e3)
         torch.cuda.synchronize()
         if ev is not None:
@@ -80,13 +86,13 @@ def main() -> None:
     nbytes = args.burst_mib << 20
     side = torch.cuda.Stream()
     lo, hi = torch.cuda.Stream.priority_range() if hasattr(torch.cuda.Stream, "priority_range") else (0, -1)
-    low = torch.cuda.Stream(priority=lo)
-    cases = [("idle", 0, "d2h", side), ("d2h_1", 1, "d2h", side), ("d2h_4", 4, "d2h", side),
-             ("d2h_16", 16, "d2h", side), ("h2d_1", 1, "h2d", side), ("d2h_1_lowprio", 1, "d2h", low)]
+    high = torch.cuda.Stream(priority=hi)
+    cases = [("idle", 0, "d2h", None), ("d2h_1", 1, "d2h", None), ("d2h_4", 4, "d2h", None),
+             ("d2h_16", 16, "d2h", None), ("h2d_1", 1, "h2d", None), ("d2h_1_read_high", 1, "d2h", high)]
     run_case("warmup", 1, "d2h", side, nbytes, 3, args.lead_us)
     rows = []
-    for name, pieces, direction, stream in cases:
-        row = run_case(name, pieces, direction, stream, nbytes, args.reps, args.lead_us)
+    for name, pieces, direction, reader in cases:
+        row = run_case(name, pieces, direction, side, nbytes, args.reps, args.lead_us, reader)
         rows.append(row)
         print(json.dumps(row), flush=True)
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "burst_mib": args.burst_mib,
