@@ -7,7 +7,8 @@
 # 2. config A cut to 4 layers (LAYERS), interleaved repetitions of: baseline; ours core_attn; ours core_attn with
 #    min_offloaded_tensor_size above every tensor (points, groups and hooks run, nothing moves); under each
 #    --cpu-bind mode (benchmarks/cpu_affinity.py). Variants "breakdown" / "hooks_breakdown": core_attn / hooks_only
-#    with --runtime-breakdown (host time per runtime function, benchmarks/runtime_breakdown.py); NAME@old runs
+#    with --runtime-breakdown (host time per runtime function, benchmarks/runtime_breakdown.py;
+#    "experts_breakdown": the MoE experts set, CONFIG=C); NAME@old runs
 #    NAME with the mcore_offload package found in OLD_TREE (before/after comparisons in one interleaved run);
 #    "attn" and "auto": the attention set and offload_modules=["auto"]. alt_NAME: NAME with --alternate-offload
 #    (offloaded and plain steps alternate in one process: the paired overhead, immune to the host's drift);
@@ -50,6 +51,7 @@ for rep in $(seq 1 "${REPS:-2}"); do
         experts) flags="--fine-grained-activation-offloading --offload-modules expert_fc1 moe_act" ;;
         all5) flags="--fine-grained-activation-offloading --offload-modules qkv_linear core_attn attn_proj expert_fc1 moe_act" ;;
         breakdown) flags="$OFF --runtime-breakdown" ;;
+        experts_breakdown) flags="--fine-grained-activation-offloading --offload-modules expert_fc1 moe_act --runtime-breakdown" ;;
         delayfwd) flags="--host-delay-us ${DELAY_US:-500} 0" ;;
         delaybwd) flags="--host-delay-us 0 ${DELAY_US:-500}" ;;
         hooks_breakdown) flags="$OFF --min-offloaded-tensor-size 1000000000000 --runtime-breakdown" ;; esac
