@@ -99,8 +99,8 @@ def parse_args(argv=None) -> argparse.Namespace:
            "(benchmarks/host_delay.py): the paired overhead over the delay is the host time the step exposes; "
            "JSON 'alternation' and 'host_delay'")
     a("--time-syncs", action="store_true",
-      help="host time blocked in Tensor.cpu/.item/.tolist of CUDA tensors per step (benchmarks/sync_wait.py); "
-           "JSON 'sync_wait'")
+      help="host time blocked in Tensor.cpu/.item/.tolist of CUDA tensors and in Event/Stream.synchronize per step "
+           "(benchmarks/sync_wait.py); JSON 'sync_wait'")
     a("--runtime-breakdown", action="store_true",
       help="ours: time each offload-runtime function from the first timed step (benchmarks/runtime_breakdown.py)")
     a("--cprofile-steps", type=int, nargs=2, default=None, metavar=("FIRST", "LAST"),
