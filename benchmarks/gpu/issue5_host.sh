@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Where the host time of a launch-bound step goes (issue 5). GPU host, project root, 0.15.3 patched:
-#   [COSTS=0] [BINDS="none gpu-local compact"] [VARIANTS="baseline core_attn hooks_only"] [REPS=2] [ITERS=30] \
+#   [COSTS=0] [BINDS="none gpu-local compact"] [VARIANTS="baseline core_attn hooks_only"] [REPS=2] [ITERS=30] [NPROC=1] \
 #   [LAYERS=4 | CONFIG=A|B|C] [OLD_TREE=DIR] [RUN_TIMEOUT=150] \
 #     bash benchmarks/gpu/issue5_host.sh OUTDIR
 # 1. per-call host cost of each CUDA / autograd primitive on the hot path (benchmarks/gpu/host_costs.py);
@@ -15,9 +15,11 @@
 #    NAME_torchcopy: PyTorch's copy_ instead of the raw cudaMemcpyAsync (MCORE_OFFLOAD_RAW_COPY=0); NAME_nochain: one
 #    group per point (MCORE_OFFLOAD_CHAIN_POINTS=0; suffix order NAME_torchcopy_nochain); "experts" and
 #    "all5": the MoE sets (CONFIG=C). SYNCS=1 adds --time-syncs (host time blocked in .cpu/.item/.tolist and
-#    Event/Stream.synchronize per step, benchmarks/sync_wait.py). "delayfwd" / "delaybwd": no offloading; every other step spins DELAY_US
-#    (default 500) µs of host time at each layer's forward / backward (benchmarks/host_delay.py): the share of
-#    host time the step exposes there.
+#    Event/Stream.synchronize per step, benchmarks/sync_wait.py). "delayfwd" / "delaybwd": no offloading; every
+#    other step spins DELAY_US (default 500) µs of host time at each layer's forward / backward
+#    (benchmarks/host_delay.py): the share of host time the step exposes there. NPROC=2 with CONFIG=D-dense or
+#    D-moe: the pipeline-parallel configurations, one rank per GPU (the summary prints rank 0's row; the JSON
+#    has every rank's).
 set -u
 out=${1:?outdir}; mkdir -p "$out"
 { nvidia-smi topo -m; lscpu | head -25; cat /proc/loadavg; } > "$out/host_topology.txt" 2>&1
@@ -56,7 +58,7 @@ for rep in $(seq 1 "${REPS:-2}"); do
         delaybwd) flags="--host-delay-us 0 ${DELAY_US:-500}" ;;
         hooks_breakdown) flags="$OFF --min-offloaded-tensor-size 1000000000000 --runtime-breakdown" ;; esac
       i=$((i + 1)); tag=${name/@old/_old}-$bind-$rep
-      env $envs PYTHONPATH=${tree:+$tree:}$PYTHONPATH timeout ${RUN_TIMEOUT:-150} torchrun --nproc-per-node 1 \
+      env $envs PYTHONPATH=${tree:+$tree:}$PYTHONPATH timeout ${RUN_TIMEOUT:-150} torchrun --nproc-per-node ${NPROC:-1} \
         --master-port $((29520 + i)) benchmarks/pretrain_gpt.py $A $flags $alt ${SYNCS:+--time-syncs} \
         --cpu-bind "$bind" --json-out "$out/$tag.json" --label "$name" > "$out/$tag.log" 2>&1 || echo "FAILED $tag"
     done
