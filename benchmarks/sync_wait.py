@@ -25,7 +25,7 @@ TARGETS = ((torch.Tensor, "cpu", True), (torch.Tensor, "item", True), (torch.Ten
 
 
 class SyncWait:
-    """Per-step host time and calls in the wrapped reads of CUDA tensors (``recording`` switches it)."""
+    """Per-step host time and calls in the wrapped methods (``recording`` switches it)."""
 
     def __init__(self) -> None:
         self.recording = False

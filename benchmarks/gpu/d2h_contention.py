@@ -1,9 +1,10 @@
 """Does a small blocking device-to-host read wait for an offload burst running on another stream?
 
-The MoE token dispatcher of megatron-core reads its token counts with ``tensor.cpu()`` once per MoE layer and
-microbatch (``MoEAllGatherTokenDispatcher.dispatch_postprocess``): a small D2H copy on the compute stream and a
-host synchronisation. If that copy queues on the copy engine behind an offload burst of ~100 MiB issued just
-before on the D2H side stream, the host waits for the burst, and in a launch-bound step that wait is step time.
+megatron-core's MoE token dispatchers read their token counts on the host once per MoE layer and microbatch (the
+all-gather one with ``tensor.cpu()``, the all-to-all one with copies on a side stream and an event sync): small D2H
+copies and a host synchronisation. If such a copy queues on the copy engine behind an offload burst of ~100 MiB
+issued just before on the D2H side stream, the host waits for the burst, and in a launch-bound step that wait is
+step time. (``pretrain_gpt.py --time-syncs`` measures whether it happens in a real step.)
 
 For each case the script issues the burst (or nothing), lets ``--lead-us`` pass, then times ``small.cpu()`` on
 the host, ``--reps`` times, and reports the median latency and the burst's own duration and throughput:
@@ -22,9 +23,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/, for host_delay
+from host_delay import spin  # noqa: E402
 
 
 def burst(stream: torch.cuda.Stream, dst: list[torch.Tensor], src: list[torch.Tensor]) -> tuple:
@@ -35,12 +41,6 @@ def burst(stream: torch.cuda.Stream, dst: list[torch.Tensor], src: list[torch.Te
             d.copy_(s, non_blocking=True)
     end.record(stream)
     return start, end
-
-
-def spin_us(us: float) -> None:
-    end = time.perf_counter_ns() + int(us * 1000)
-    while time.perf_counter_ns() < end:
-        pass
 
 
 def run_case(name: str, pieces: int, direction: str, stream: torch.cuda.Stream, nbytes: int, reps: int,
@@ -56,7 +56,7 @@ def run_case(name: str, pieces: int, direction: str, stream: torch.cuda.Stream, 
         ev = None
         if pieces:
             ev = burst(stream, host, gpu) if direction == "d2h" else burst(stream, gpu, host)
-        spin_us(lead_us)
+        spin(lead_us)
         t0 = time.perf_counter_ns()
         if reader is None:
             small.cpu()
