@@ -2,7 +2,9 @@
 
 Counters per point and step: ``offloaded`` (copied to host), ``released_in_forward`` (device storage
 actually freed before the chunk's backward began: the bytes that lower the peak), ``released_late``,
-``reloaded``, ``kept_on_device`` (last-layer groups whose backward came first, never copied) and
+``reloaded``, ``reloaded_on_demand`` (the part of ``reloaded`` no prefetch had started when its group's backward
+came: the compute stream may wait for it), ``kept_on_device`` (last-layer groups whose backward came first, never
+copied) and
 ``skipped_aliased`` (storages another live tensor still held at offload time: copying them frees nothing).
 """
 
@@ -23,6 +25,7 @@ COUNTERS = (
     "released_in_forward",
     "released_late",
     "reloaded",
+    "reloaded_on_demand",
     "kept_on_device",
     "skipped_aliased",
 )

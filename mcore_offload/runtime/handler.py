@@ -41,6 +41,9 @@ logger = logging.getLogger(__name__)
 # A storage is offloaded only if the views saved from it cover at least half of it: copying a whole
 # large buffer for a small slice (persistent buffers, KV caches) would cost link time and free nothing.
 MIN_STORAGE_COVERAGE = 0.5
+# Points whose saved storages are sized by the MoE routing (tokens per local expert): their host buffers get
+# spare room (transport.HostBufferPool.ROUTED_HEADROOM)
+ROUTED_POINTS = frozenset({"expert_fc1", "moe_act"})
 
 
 class Entry:
@@ -273,7 +276,7 @@ class ChunkOffloadHandler(HandlerBase):
                     "finished backward; this is a bug, please report it with the model configuration."
                 )
             logger.debug("inline reload of a %s storage (%d bytes)", entry.point, entry.nbytes)
-            self._reload([entry])
+            self._reload([entry], on_demand=True)
         if not entry.compute_waited:
             self.transport.wait(entry.h2d_event)
             entry.compute_waited = True
@@ -326,7 +329,8 @@ class ChunkOffloadHandler(HandlerBase):
             to_copy.append((ptr, st, refs))
         if not to_copy:
             return
-        hosts, event = self.transport.to_host([st for _, st, _ in to_copy], [refs[0].tensor for _, _, refs in to_copy])
+        hosts, event = self.transport.to_host([st for _, st, _ in to_copy], [refs[0].tensor for _, _, refs in to_copy],
+                                              [refs[0].point in ROUTED_POINTS for _, _, refs in to_copy])
         for (ptr, st, refs), host in zip(to_copy, hosts):
             entry = Entry(point=refs[0].point, nbytes=st.nbytes(), host=host, d2h_event=event, device_ptr=ptr)
             entry.storage_ref = weakref.ref(st, self._released_callback(ptr, entry))
@@ -375,7 +379,7 @@ class ChunkOffloadHandler(HandlerBase):
                     for point in g.points:
                         self.manager.auto.kept(self.vp_stage, g.layer, point)
             self.pending = []
-        self._reload(group.entries)
+        self._reload(group.entries, on_demand=True)
         waited: set[int] = set()
         for entry in group.entries:
             if not entry.compute_waited:
@@ -408,7 +412,23 @@ class ChunkOffloadHandler(HandlerBase):
         """TE's name: start the reload of one group."""
         self._reload(group_to_reload.entries)
 
-    def _reload(self, entries: list[Entry]) -> None:
+    def on_chunk_backward_start(self) -> None:
+        """The gradient of the chunk's output arrived: start reloading its last layer's groups now.
+
+        No earlier group's backward prefetches them, so without this their reload would start at their own
+        commit, after the layer's MLP backward, and the compute stream would wait for most of it (under
+        pipeline parallelism every chunk's last layer is offloaded while other chunks run forward).
+        """
+        if self.finished or not self.groups:
+            return
+        self.manager.on_backward(self)
+        last = self.groups[-1].layer
+        for group in reversed(self.groups):  # in backward order, one burst each: the first needed waits least
+            if group.layer != last:
+                break
+            self._reload(group.entries)  # pending groups have none yet: they stay on the device
+
+    def _reload(self, entries: list[Entry], on_demand: bool = False) -> None:
         # dict by id: groups that save views of one storage share its entry
         todo = list({id(e): e for e in entries if e.device_storage is None and e.host is not None}.values())
         if not todo:
@@ -417,7 +437,7 @@ class ChunkOffloadHandler(HandlerBase):
         for entry, storage in zip(todo, storages):
             entry.device_storage, entry.h2d_event = storage, event
             entry.compute_waited = False
-            self.manager.on_reloaded(entry)
+            self.manager.on_reloaded(entry, on_demand)
 
     def on_group_backward_done(self, group: Group) -> None:
         """The group's whole backward ran: its device copies can go."""

@@ -69,6 +69,12 @@ def _parameter_storages(model: torch.nn.Module) -> tuple[torch.device | None, se
     return params[0].device, protected
 
 
+def _chunk_backward_starts(handler: ChunkOffloadHandler, grad: torch.Tensor) -> None:
+    t0 = perf_counter_ns()
+    handler.on_chunk_backward_start()
+    handler.summary.runtime_ns += perf_counter_ns() - t0
+
+
 class OffloadManager:
     """Per-process offload state. :func:`get_manager` gives the instance; :meth:`reset` clears it."""
 
@@ -148,6 +154,13 @@ class OffloadManager:
                 self.summary.track_peak(self._peak_reader)
             self._measuring_started = True
             handler.marks = self.auto.chunk_started(vp_stage)
+
+    def end_chunk(self, output: Any) -> None:
+        """The chunk's decoder returned ``output``: when its gradient arrives, the chunk's backward starts."""
+        handler = self.forward_handler
+        if handler is None or not handler.opened or not isinstance(output, torch.Tensor) or not output.requires_grad:
+            return
+        output.register_hook(functools.partial(_chunk_backward_starts, handler))
 
     def handler_for(self, config: Any, name: str | None) -> ChunkOffloadHandler | None:
         """The handler an offload point should use now, or None when the point is off."""
@@ -273,8 +286,10 @@ class OffloadManager:
             entry.off_device = True
             self.summary.off_device(+entry.nbytes)
 
-    def on_reloaded(self, entry: Entry) -> None:
+    def on_reloaded(self, entry: Entry, on_demand: bool = False) -> None:
         self.summary.add(entry.point, "reloaded", entry.nbytes)
+        if on_demand:
+            self.summary.add(entry.point, "reloaded_on_demand", entry.nbytes)
         self._back_on_device(entry)
 
     def on_host_freed(self, entry: Entry) -> None:

@@ -7,8 +7,8 @@
 - ``commit(name, config, value)``: after the point's output is final (for the norms: after the bias-dropout-
   add that still reads the residual), route it through :class:`GroupCommit` (identity; its forward queues
   the group for offload, its backward brings the group back before the group's own backward runs).
-- ``begin_chunk`` (GPTModel.forward), ``layer_boundary`` (TransformerLayer.forward) and ``step_boundary``
-  (the three pipeline schedules) drive the manager.
+- ``begin_chunk`` / ``end_chunk`` (GPTModel.forward, around the decoder), ``layer_boundary``
+  (TransformerLayer.forward) and ``step_boundary`` (the three pipeline schedules) drive the manager.
 
 Every function is a cheap no-op unless offloading is enabled for that point and this is a training forward.
 """
@@ -204,6 +204,13 @@ def begin_chunk(config: Any, vp_stage: int | None, model: torch.nn.Module) -> No
     """Called by ``GPTModel.forward``: a model chunk (``vp_stage``) starts a forward."""
     if getattr(config, "fine_grained_activation_offloading", False):
         get_manager().begin_chunk(config, vp_stage, model)
+
+
+def end_chunk(config: Any, hidden_states: Any) -> None:
+    """Called by ``GPTModel.forward`` on the decoder's output: the chunk's backward starts where its gradient
+    arrives (a hook on it, no autograd node: the output stays the very tensor the schedule may deallocate)."""
+    if getattr(config, "fine_grained_activation_offloading", False):
+        get_manager().end_chunk(hidden_states)
 
 
 def layer_boundary(config: Any) -> None:

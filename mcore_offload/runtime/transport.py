@@ -63,6 +63,13 @@ class HostBufferPool:
 
     #: a free buffer of a larger class is taken if it is at most this much larger than the request's class
     MAX_OVERSIZE = 1.25
+    #: ``routed`` requests (MoE expert activations: their size follows the routing, which moves every step and,
+    #: under expert parallelism, by far more than FP8 padding) get this much spare capacity when a buffer is
+    #: allocated, and may take a free buffer up to ``ROUTED_OVERSIZE`` times their class: a later step's larger
+    #: token count then still fits a buffer from the first step (under EP=2 the first step's buffers were
+    #: outgrown in steps 2 to 5 without it, seen on 2x H200).
+    ROUTED_HEADROOM = 0.25
+    ROUTED_OVERSIZE = 2.0
 
     def __init__(self, pin: bool) -> None:
         self.pin = pin
@@ -71,13 +78,14 @@ class HostBufferPool:
         self.allocations = 0
         self.allocated_bytes = 0
 
-    def acquire(self, nbytes: int) -> tuple[torch.Tensor, object]:
+    def acquire(self, nbytes: int, routed: bool = False) -> tuple[torch.Tensor, object]:
         cap = size_class(nbytes)
         free = self._free.get(cap)
         if not free:
             free = None
+            limit = cap * (self.ROUTED_OVERSIZE if routed else self.MAX_OVERSIZE)
             i = bisect.bisect_right(self._classes, cap)
-            while i < len(self._classes) and self._classes[i] <= cap * self.MAX_OVERSIZE:
+            while i < len(self._classes) and self._classes[i] <= limit:
                 if self._free[self._classes[i]]:
                     free = self._free[self._classes[i]]
                     break
@@ -85,6 +93,8 @@ class HostBufferPool:
         if free:
             buf, event = free.pop()
         else:
+            if routed:
+                cap = size_class(int(nbytes * (1 + self.ROUTED_HEADROOM)))
             self.allocations += 1
             self.allocated_bytes += cap
             buf, event = torch.empty(cap, dtype=torch.uint8, pin_memory=self.pin), None
@@ -114,14 +124,16 @@ class Transport:
         self.pool = HostBufferPool(pin=False)
         self.telemetry = LinkTelemetry(None)
 
-    def to_host(self, storages: list[torch.UntypedStorage], keep_alive: list[torch.Tensor]) -> tuple[list, object]:
+    def to_host(self, storages: list[torch.UntypedStorage], keep_alive: list[torch.Tensor],
+                routed: list[bool]) -> tuple[list, object]:
         """Copy each storage into a host buffer; return the buffers and one event for all the copies.
 
         ``keep_alive`` holds one tensor per storage: the allocator must not reuse its block before the copy.
+        ``routed``: per storage, whether its size follows MoE routing (:attr:`HostBufferPool.ROUTED_HEADROOM`).
         """
         bufs = []
-        for storage in storages:
-            buf, _ = self.pool.acquire(storage.nbytes())
+        for storage, r in zip(storages, routed):
+            buf, _ = self.pool.acquire(storage.nbytes(), r)
             copy_into_host(buf, storage)
             bufs.append(buf)
         self.telemetry.span("d2h", None, None, sum(s.nbytes() for s in storages))
@@ -190,7 +202,7 @@ class CudaTransport(Transport):
         """The event a burst's readers wait on; also the telemetry's end mark of the burst."""
         return torch.cuda.Event(enable_timing=self.telemetry.timed)
 
-    def to_host(self, storages, keep_alive):
+    def to_host(self, storages, keep_alive, routed):
         d2h = self.d2h_stream
         compute = self._current()
         # The saved tensors were produced on the compute stream: copy only after it reached this point.
@@ -199,10 +211,10 @@ class CudaTransport(Transport):
         bufs = []
         waited = None
         nbytes = 0
-        for storage in storages:
+        for storage, r in zip(storages, routed):
             n = storage.nbytes()
             nbytes += n
-            buf, event = self.pool.acquire(n)
+            buf, event = self.pool.acquire(n, r)
             if event is not None and event is not waited:
                 # A reused buffer's previous H2D must have read it before we overwrite it (consecutive
                 # buffers mostly share one reload batch's event: waiting once is enough).
