@@ -46,6 +46,10 @@ MIN_STORAGE_COVERAGE = 0.5
 ROUTED_POINTS = frozenset({"expert_fc1", "moe_act"})
 
 
+def _routed_key(point: str) -> str | None:
+    return point if point in ROUTED_POINTS else None
+
+
 class Entry:
     """One offloaded storage (slots: one is made per storage and flush, on the hot path)."""
 
@@ -330,7 +334,7 @@ class ChunkOffloadHandler(HandlerBase):
         if not to_copy:
             return
         hosts, event = self.transport.to_host([st for _, st, _ in to_copy], [refs[0].tensor for _, _, refs in to_copy],
-                                              [refs[0].point in ROUTED_POINTS for _, _, refs in to_copy])
+                                              [_routed_key(refs[0].point) for _, _, refs in to_copy])
         for (ptr, st, refs), host in zip(to_copy, hosts):
             entry = Entry(point=refs[0].point, nbytes=st.nbytes(), host=host, d2h_event=event, device_ptr=ptr)
             entry.storage_ref = weakref.ref(st, self._released_callback(ptr, entry))

@@ -23,7 +23,7 @@ import torch
 from mcore_offload.config import OFFLOAD_MODULES, recompute_conflicts, selectively_recomputed
 from mcore_offload.runtime.auto import AUTO, AutoPlanner, Plan, clock_mark, elapsed_ms, parse_auto
 from mcore_offload.runtime.handler import ChunkOffloadHandler, Entry, Group
-from mcore_offload.runtime.transport import reset_transports
+from mcore_offload.runtime.transport import reset_transports, settle_pools
 from mcore_offload.summary import OffloadSummary
 
 logger = logging.getLogger(__name__)
@@ -247,6 +247,7 @@ class OffloadManager:
                 h.transport.synchronize()
         for h in leftovers:
             h.finish(abort=aborted)
+        settle_pools()  # before the step's allocations are counted: a replacement is this step's
         if self.summary.step_has_activity():
             self.summary.close_step(aborted=aborted)
         if self.auto is not None and self._trained and not aborted:
