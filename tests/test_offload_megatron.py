@@ -70,7 +70,9 @@ CASES = ([(False, [p]) for p in DENSE_POINTS] + [(False, DENSE_POINTS)]
 def test_bitwise_equal_and_every_offloaded_byte_released_and_restored(moe, points):
     if points == ["attn_proj"]:
         points = ["core_attn", "attn_proj"]  # attn_proj alone is a configuration error
+    early = get_manager().early_flushes
     result = train(moe, offload(*points))
+    assert get_manager().early_flushes == early  # no pipelining: every chunk turns around
     assert_bitwise(baseline(moe), result)
     summary = get_summary()
     assert len(summary.steps) == STEPS and not any(s.aborted for s in summary.steps)
@@ -82,6 +84,7 @@ def test_bitwise_equal_and_every_offloaded_byte_released_and_restored(moe, point
         assert step.total("released_in_forward") == offloaded  # the device really got it back
         assert step.total("reloaded") == offloaded  # and all of it came back for backward
         assert step.total("reloaded_on_demand") == 0  # each reload started before its group's backward
+        assert step.total("kept_on_device") > 0  # no pipelining: every chunk turns around, nothing leaves early
     assert summary.host_resident_bytes == 0
     assert not get_manager().handlers
 
@@ -147,12 +150,15 @@ def interleaved_job(rank: int, world_size: int, points: list[str]) -> dict[str, 
             ("offload_dealloc", dict(offload(*points), deallocate_pipeline_outputs=True)))
     for key, overrides in runs:
         chunks = build_dense_gpt(num_layers=8, config_overrides=overrides)
+        early = get_manager().early_flushes
         out[key] = run_steps(chunks, n_steps=STEPS, num_microbatches=4, seq_len=16,
                              micro_batch_size=2, lr=0.1)
         if overrides:
             last = get_summary().last_step
             out[key + "_bytes"] = {c: last.total(c) for c in
                                    ("offloaded", "released_in_forward", "reloaded", "reloaded_on_demand")}
+            out[key + "_kept"] = [s.total("kept_on_device") for s in get_summary().steps[-STEPS:]]
+            out[key + "_early"] = get_manager().early_flushes - early
     return out
 
 
@@ -168,6 +174,11 @@ def test_interleaved_pp2_vpp2_bitwise_equal():
             # every chunk's last layer leaves the device while other chunks run forward; its reload starts when
             # the chunk's output gradient arrives (end_chunk), every other group's with the backward after it
             assert b["reloaded_on_demand"] == 0, (key, b)
+            # from the second step on, chunks whose backward did not follow their forward flush their last layer
+            # at end_chunk; what turns around keeps its last layer, as in the first step
+            assert r[key + "_early"] > 0
+            kept = r[key + "_kept"]
+            assert kept == [kept[0]] * len(kept), kept
 
 
 def test_number_of_microbatches_may_change_between_steps():
@@ -179,3 +190,31 @@ def test_number_of_microbatches_may_change_between_steps():
         last = get_summary().last_step
         assert last.total("reloaded") == last.total("offloaded") > 0
         assert not get_manager().handlers
+
+
+def pipelined_job(rank: int, world_size: int, vpp: int | None, microbatches: int) -> dict[str, Any]:
+    """Worker: PP=2 (with or without VPP), the same model with and without every dense point offloaded."""
+    init_parallel(world_size, rank, pp=2, vpp=vpp)
+    kw = dict(n_steps=STEPS, num_microbatches=microbatches, seq_len=16, micro_batch_size=2, lr=0.1)
+    base = run_steps(build_dense_gpt(num_layers=8), **kw)
+    early = get_manager().early_flushes
+    result = run_steps(build_dense_gpt(num_layers=8, config_overrides=offload(*DENSE_POINTS)), **kw)
+    steps = get_summary().steps[-STEPS:]
+    counters = ("offloaded", "reloaded", "reloaded_on_demand", "kept_on_device")
+    return {"base": base, "offload": result, "early": get_manager().early_flushes - early,
+            **{c: [s.total(c) for s in steps] for c in counters}}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize(("vpp", "microbatches"), [(None, 4), (2, 8)], ids=["1f1b", "interleaved-8mb"])
+def test_pipelined_chunks_that_turn_around_keep_their_last_layer_the_others_flush_it_at_end_chunk(vpp, microbatches):
+    ranks = run_multiprocess(pipelined_job, 2, args=(vpp, microbatches), timeout_s=180)
+    for r in ranks:
+        assert_bitwise(r["base"], r["offload"])
+        assert r["offloaded"] == r["reloaded"] and min(r["offloaded"]) > 0
+        assert r["reloaded_on_demand"] == [0] * STEPS
+        # the first step learns which chunks turn around; later steps keep exactly what it kept
+        assert r["kept_on_device"] == [r["kept_on_device"][0]] * STEPS
+    first, last = ranks
+    assert first["early"] > 0  # the first stage's forwards are followed by other chunks' work
+    assert last["kept_on_device"][0] > 0  # the last stage turns its last chunk around

@@ -88,6 +88,7 @@ class Group:
     points: list[str] = field(default_factory=list)  # every point it spans (see runtime/points.py: chains)
     refs: list[SavedRef] = field(default_factory=list)
     rejected: dict[str, int] = field(default_factory=dict)  # why saved tensors stayed, for the log
+    parameters: int = 0  # saved parameters (rejected by the pack hook's fast path, not in ``rejected``)
     entries: list[Entry] = field(default_factory=list)
     layer: int = 0  # the handler's layer count when the group opened
     index: int = -1  # position among the handler's committed groups

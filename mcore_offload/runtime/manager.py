@@ -4,7 +4,8 @@ One handler is created per (model chunk, microbatch) when a training forward of 
 Backward needs no schedule model: every GroupCommit / GroupStart autograd node carries its own handler,
 so handlers reach backward in exactly the order the schedule (no pipelining, 1F1B or interleaved) runs
 them, whatever the number of microbatches. The manager only decides *when* a handler's last layer is
-flushed: when another chunk's forward or backward comes first.
+flushed: when another chunk's forward or backward comes first, or, where the last step showed that one would,
+as soon as the chunk's forward ends (``end_chunk``).
 """
 
 from __future__ import annotations
@@ -89,6 +90,12 @@ class OffloadManager:
         # Consecutive points of one layer share a group (runtime/points.py); MCORE_OFFLOAD_CHAIN_POINTS=0: one
         # group per point, as before (for comparisons)
         self.chaining = os.environ.get("MCORE_OFFLOAD_CHAIN_POINTS", "1") != "0"
+        # (vp_stage, microbatch) of the chunks whose own backward came right after their forward, in the last
+        # training step and in this one: a schedule repeats itself, so a chunk not in the last step's set has its
+        # last layer flushed as soon as its forward ends (end_chunk), not when the next chunk starts
+        self._kept_before: set[tuple[int | None, int]] | None = None
+        self._kept_now: set[tuple[int | None, int]] = set()
+        self.early_flushes = 0  # chunks whose last layer left at end_chunk (tests)
         self.reset_step()
 
     def reset_step(self) -> None:
@@ -156,11 +163,24 @@ class OffloadManager:
             handler.marks = self.auto.chunk_started(vp_stage)
 
     def end_chunk(self, output: Any) -> None:
-        """The chunk's decoder returned ``output``: when its gradient arrives, the chunk's backward starts."""
+        """The chunk's decoder returned ``output``: when its gradient arrives, the chunk's backward starts.
+
+        If in the last step this chunk's backward did not follow its forward right away, its last layer is
+        flushed now: the copy overlaps the pipeline's send and receive instead of the next chunk's first layer,
+        and the memory is back sooner (under PP, at the peak). A wrong guess costs only a copy and its reload.
+        """
         handler = self.forward_handler
         if handler is None or not handler.opened or not isinstance(output, torch.Tensor) or not output.requires_grad:
             return
+        t0 = perf_counter_ns()
         output.register_hook(functools.partial(_chunk_backward_starts, handler))
+        kept = self._kept_before
+        if kept is not None and (handler.vp_stage, handler.microbatch) not in kept:
+            self.close_chain()
+            if handler.pending:
+                handler.flush()
+                self.early_flushes += 1
+        self.summary.runtime_ns += perf_counter_ns() - t0
 
     def handler_for(self, config: Any, name: str | None) -> ChunkOffloadHandler | None:
         """The handler an offload point should use now, or None when the point is off."""
@@ -220,7 +240,10 @@ class OffloadManager:
         """A handler's backward is running: the chunk still forwarding-pending must flush first."""
         self.close_chain()
         fwd = self.forward_handler
-        if fwd is not None and fwd is not handler and fwd.pending:
+        if fwd is handler:
+            if not handler.backward_started:  # no other chunk ran forward in between (see end_chunk)
+                self._kept_now.add((handler.vp_stage, handler.microbatch))
+        elif fwd is not None and fwd.pending:
             fwd.flush()
         self._forward_ended(handler)
 
@@ -252,6 +275,9 @@ class OffloadManager:
             self.summary.close_step(aborted=aborted)
         if self.auto is not None and self._trained and not aborted:
             self._plan()
+        if self._trained:  # the next step's guess (end_chunk); an aborted step's schedule is not a guide
+            self._kept_before = None if aborted else self._kept_now
+            self._kept_now = set()
         if self._peak_reader is not None:  # an aborted measured step: the next one measures again
             self.summary.stop_tracking_peak()
         self.reset_step()

@@ -72,6 +72,7 @@ class GroupCommit(torch.autograd.Function):
         return grad, None, None
 
 
+_Parameter = torch.nn.Parameter
 _start = _fast_apply(GroupStart)
 _commit_node = _fast_apply(GroupCommit)
 
@@ -125,7 +126,8 @@ class _OffloadBlock:
     ``joined``: the open group of the point just before in a chain; the block adds to it, without a start node.
     """
 
-    __slots__ = ("manager", "handler", "name", "tensor", "group", "hooks", "refs_before", "rejected_before")
+    __slots__ = ("manager", "handler", "name", "tensor", "group", "hooks", "refs_before", "rejected_before",
+                 "parameters_before")
 
     def __init__(self, manager: Any, handler: ChunkOffloadHandler, name: str, tensor: torch.Tensor,
                  joined: Group | None = None) -> None:
@@ -144,9 +146,14 @@ class _OffloadBlock:
             group.points.append(name)
         # what the group held before this block (a chain's group holds the earlier points' too)
         self.refs_before, self.rejected_before = len(group.refs), (dict(group.rejected) if group.rejected else {})
+        self.parameters_before = group.parameters
+        push = handler.tensor_push
 
         def pack(saved: torch.Tensor) -> Any:
-            return handler.tensor_push(saved, group, name)
+            if type(saved) is _Parameter:  # weights, half of what a grouped GEMM saves: kept, at the least cost
+                group.parameters += 1
+                return saved
+            return push(saved, group, name)
 
         self.hooks = torch.autograd.graph.saved_tensors_hooks(pack, handler.tensor_pop)
         self.hooks.__enter__()
@@ -161,6 +168,7 @@ class _OffloadBlock:
             self.manager.open_groups[self.name] = (self.handler, group)
             if len(group.refs) == self.refs_before:
                 rejected = {k: n - self.rejected_before.get(k, 0) for k, n in group.rejected.items()}
+                rejected["parameter"] = rejected.get("parameter", 0) + group.parameters - self.parameters_before
                 self.manager.point_saved_nothing(self.name, {k: n for k, n in rejected.items() if n})
         self.manager.summary.runtime_ns += perf_counter_ns() - t0
 
