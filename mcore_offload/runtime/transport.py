@@ -150,8 +150,8 @@ class HostBufferPool:
             return
         self._routed_grew = False
         for key, free in self._routed_free.items():
-            cap = self._routed_cap[key] = max(self._routed_cap[key],
-                                              size_class(int(self._routed_largest[key] * (1 + self.ROUTED_HEADROOM))))
+            largest = size_class(int(self._routed_largest.get(key, 0) * (1 + self.ROUTED_HEADROOM)))
+            cap = self._routed_cap[key] = max(self._routed_cap.get(key, 0), largest)
             for i, (buf, event) in enumerate(free):
                 if buf.numel() < cap:
                     del self._routed_owner[buf.data_ptr()]
