@@ -380,3 +380,16 @@ def test_exception_inside_a_point_frees_what_the_point_saved(monkeypatch):
     models.clear()
     gc.collect()
     assert saved and all(r() is None for r in saved), f"{sum(r() is not None for r in saved)} saved tensors alive"
+
+
+def test_coverage_counts_each_saved_byte_range_once_and_stops_at_the_threshold():
+    from mcore_offload.runtime.handler import SavedRef, _covers
+
+    base = torch.zeros(1600)  # 6400 bytes
+    experts = [SavedRef(v, None, "expert_fc1") for v in torch.split(base, 100)]  # 16 views, one per expert
+    assert _covers(experts, 0.5 * 6400)
+    assert not _covers(experts[:7], 0.5 * 6400)  # 7 of 16 views: 2800 bytes
+    same = [SavedRef(base[:400], None, "core_attn") for _ in range(8)]  # one view saved 8 times: 1600 bytes
+    assert not _covers(same, 0.5 * 6400)
+    as_bytes = [SavedRef(base[:400].view(torch.uint8), None, "core_attn"), SavedRef(base[:400], None, "core_attn")]
+    assert not _covers(as_bytes, 1601)  # the same bytes seen as another dtype count once too

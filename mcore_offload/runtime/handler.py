@@ -97,8 +97,20 @@ class Group:
     done: bool = False
 
 
-def _view_key(t: torch.Tensor) -> tuple:
-    return (t.dtype, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+def _covers(refs: list[SavedRef], need: float) -> bool:
+    """Whether the distinct byte ranges the saved views start at cover ``need`` bytes (a view saved twice counts
+    once). Stops as soon as they do: a grouped GEMM saves one view per expert, and half of them suffice."""
+    covered, seen = 0, set()
+    for r in refs:
+        t = r.tensor
+        size = t.element_size()
+        key = (t.storage_offset() * size, t.numel() * size)
+        if key not in seen:
+            seen.add(key)
+            covered += key[1]
+            if covered >= need:
+                return True
+    return False
 
 
 _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
@@ -318,13 +330,11 @@ class ChunkOffloadHandler(HandlerBase):
             if entry is not None:  # already offloaded by an earlier group of this chunk
                 self._attach(entry, refs)
                 continue
-            if len(refs) == 1:  # the common case, without the dict of distinct views (and no local
+            if len(refs) == 1:  # the common case, without the set of distinct views (and no local
                 # name for the tensor: _held_elsewhere counts Python references)
-                covered = refs[0].tensor.numel() * refs[0].tensor.element_size()
-            else:
-                covered = sum(t.numel() * t.element_size()
-                              for t in {_view_key(r.tensor): r.tensor for r in refs}.values())
-            if covered < MIN_STORAGE_COVERAGE * st.nbytes():
+                if refs[0].tensor.numel() * refs[0].tensor.element_size() < MIN_STORAGE_COVERAGE * st.nbytes():
+                    continue
+            elif not _covers(refs, MIN_STORAGE_COVERAGE * st.nbytes()):
                 continue
             if _held_elsewhere(st, refs):
                 # Another live tensor (a residual, a mask shared by all layers, a tensor saved outside
