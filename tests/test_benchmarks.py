@@ -283,3 +283,13 @@ def test_sync_wait_times_only_recorded_calls_and_restores_the_methods(monkeypatc
     assert out["on_median_ms"] == pytest.approx(out["per_step_ms"][0], abs=1e-3)
     assert out["off_median_ms"] == pytest.approx(out["per_step_ms"][1], abs=1e-3)
     assert set(out["total_ms_by_call"]) == {"Device.synchronize"}
+
+
+def test_cpu_grouped_layer_measures_an_offloading_step(tmp_path):
+    out = tmp_path / "grouped.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_grouped_layer.py"), "--pairs", "4",
+                           "--layers", "2", "--experts", "4", "--json-out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["pairs"] == 4 and isinstance(result["added_us_per_layer_microbatch"], float)
