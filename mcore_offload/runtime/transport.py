@@ -115,9 +115,12 @@ class HostBufferPool:
             return free.pop(min(fits, key=lambda i: free[i][0].numel()))
         cap = self._routed_cap.get(key, 0)
         if nbytes > cap:
-            self._routed_cap[key] = cap = size_class(int(nbytes * (1 + self.ROUTED_HEADROOM)))
+            self._routed_cap[key] = cap = self._with_headroom(nbytes)
             self._routed_grew = True
         return self._allocate(cap, key), None
+
+    def _with_headroom(self, nbytes: int) -> int:
+        return size_class(int(nbytes * (1 + self.ROUTED_HEADROOM)))
 
     def _allocate(self, cap: int, routed: str | None) -> torch.Tensor:
         self.allocations += 1
@@ -150,8 +153,8 @@ class HostBufferPool:
             return
         self._routed_grew = False
         for key, free in self._routed_free.items():
-            largest = size_class(int(self._routed_largest.get(key, 0) * (1 + self.ROUTED_HEADROOM)))
-            cap = self._routed_cap[key] = max(self._routed_cap.get(key, 0), largest)
+            cap = self._routed_cap[key] = max(self._routed_cap.get(key, 0),
+                                              self._with_headroom(self._routed_largest.get(key, 0)))
             for i, (buf, event) in enumerate(free):
                 if buf.numel() < cap:
                     del self._routed_owner[buf.data_ptr()]
