@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from mcore_offload.runtime import cudart
 
 MAPS = """\
@@ -37,3 +39,49 @@ def test_the_switch_turns_the_raw_path_off(monkeypatch, tmp_path):
     assert cudart.load_memcpy_async("/nonexistent/maps") is None
     monkeypatch.setenv("MCORE_OFFLOAD_RAW_COPY", "1")
     assert cudart.load_memcpy_async(str(tmp_path / "missing")) is None  # unreadable maps: no raw path either
+
+
+class _FakeRuntime:
+    """The entry points a RawEvent calls, answering like the CUDA runtime would."""
+
+    def __init__(self, query_answer=0):
+        self.recorded = []
+        self.query_answer = query_answer
+
+    def event_record(self, handle, stream):
+        self.recorded.append((handle, stream))
+        return 0
+
+    def event_query(self, handle):
+        return self.query_answer
+
+    def fail(self, what, err):
+        raise RuntimeError(f"{what} failed ({err})")
+
+
+def test_a_raw_event_goes_back_to_its_pool_when_its_last_reference_goes():
+    rt = _FakeRuntime()
+    pool = cudart.EventPool(rt, 0, timed=True)
+    pool.free.extend([11, 12])
+    a, b = pool.get(), pool.get()
+    assert {a.handle, b.handle} == {11, 12} and pool.free == []
+    a.record(7)
+    assert rt.recorded == [(a.handle, 7)]
+    handle = a.handle
+    del a  # nobody can wait on it any more: its handle is free again
+    assert pool.free == [handle]
+    c = pool.get()
+    assert c.handle == handle and pool.created == 0 and b.handle != handle
+
+
+def test_a_raw_event_query_tells_not_ready_from_an_error():
+    pool = cudart.EventPool(_FakeRuntime(query_answer=cudart.CUDA_ERROR_NOT_READY), 0, timed=True)
+    pool.free.append(1)
+    assert pool.get().query() is False
+    pool = cudart.EventPool(_FakeRuntime(query_answer=0), 0, timed=True)
+    pool.free.append(1)
+    assert pool.get().query() is True
+    pool = cudart.EventPool(_FakeRuntime(query_answer=700), 0, timed=True)
+    pool.free.append(1)
+    with pytest.raises(RuntimeError, match="cudaEventQuery"):
+        pool.get().query()

@@ -74,6 +74,8 @@ def test_cuda_bitwise_equal_pinned_pool_warm_after_step_0_and_telemetry(monkeypa
     got = cuda_run(["qkv_linear", "core_attn", "attn_proj"], steps=4)
     # both copy paths exist on the GPU host: the raw one must really be the one that ran
     assert [t._memcpy is not None for t in _TRANSPORTS.values()] == [raw_copy == "1"]
+    assert [type(t).__name__ for t in _TRANSPORTS.values()] == [
+        "RawCudaTransport" if raw_copy == "1" else "CudaTransport"]  # raw events and waits with the raw copies
     assert all(same(a, b) for a, b in zip(base, got))
     summary = get_summary()
     summary.resolve_link(wait=True)

@@ -40,7 +40,7 @@ def test_round_trip_through_a_larger_buffer_is_exact():
     src = torch.randn(700)  # 2800 bytes
     (host,), _ = transport.to_host([src.untyped_storage()], [src], [None])
     assert host._base is not None and host.numel() == 2800
-    (back,), _ = transport.to_device([host], [None], torch.device("cpu"))
+    (back,), _ = transport.to_device([host], [host.numel()], [None], torch.device("cpu"))
     assert torch.equal(torch.empty(0).set_(back), src)
 
 

@@ -393,3 +393,32 @@ def test_coverage_counts_each_saved_byte_range_once_and_stops_at_the_threshold()
     assert not _covers(same, 0.5 * 6400)
     as_bytes = [SavedRef(base[:400].view(torch.uint8), None, "core_attn"), SavedRef(base[:400], None, "core_attn")]
     assert not _covers(as_bytes, 1601)  # the same bytes seen as another dtype count once too
+
+
+def test_parameter_storages_are_walked_in_the_first_two_steps_then_kept(monkeypatch):
+    from mcore_offload.runtime import manager as manager_module
+
+    walks = []
+    real = manager_module._parameter_storages
+
+    def counting(model):
+        walks.append(id(model))
+        return real(model)
+
+    monkeypatch.setattr(manager_module, "_parameter_storages", counting)
+    base = run([], steps=4)
+    got = run(["core_attn"], steps=4)  # 4 steps x 2 microbatches: 8 chunk starts
+    assert len(walks) == 2
+    for (l0, g0), (l1, g1) in zip(base, got):
+        assert all(torch.equal(a, b) for a, b in zip(l0 + g0, l1 + g1))
+    # a protected storage stays on the device even when the set is no longer refreshed
+    assert get_summary().steps[-1].total("offloaded") == get_summary().steps[0].total("offloaded") > 0
+
+
+def test_a_changed_offload_modules_list_is_seen_by_the_next_chunk():
+    from mcore_offload.runtime.manager import _enabled_points_cached
+
+    config = cfg("core_attn")
+    assert _enabled_points_cached(config) == frozenset({"core_attn"})
+    config.offload_modules = ["core_attn", "attn_proj"]
+    assert _enabled_points_cached(config) == frozenset({"core_attn", "attn_proj"})

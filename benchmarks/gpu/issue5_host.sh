@@ -12,6 +12,7 @@
 #    NAME with the mcore_offload package found in OLD_TREE (before/after comparisons in one interleaved run);
 #    "attn" and "auto": the attention set and offload_modules=["auto"]. alt_NAME: NAME with --alternate-offload
 #    (offloaded and plain steps alternate in one process: the paired overhead, immune to the host's drift);
+#    NAME_bd: NAME with --runtime-breakdown (suffix order NAME_torchcopy_nochain_bd);
 #    NAME_torchcopy: PyTorch's copy_ instead of the raw cudaMemcpyAsync (MCORE_OFFLOAD_RAW_COPY=0); NAME_nochain: one
 #    group per point (MCORE_OFFLOAD_CHAIN_POINTS=0; suffix order NAME_torchcopy_nochain); "experts" and
 #    "all5": the MoE sets (CONFIG=C). SYNCS=1 adds --time-syncs (host time blocked in .cpu/.item/.tolist and
@@ -45,7 +46,8 @@ for rep in $(seq 1 "${REPS:-2}"); do
       case ${name%@old} in *_nochain*) chain=0 ;; esac
       envs="MCORE_OFFLOAD_RAW_COPY=$raw MCORE_OFFLOAD_CHAIN_POINTS=$chain"
       case ${name%@old} in alt_*) alt="--alternate-offload" ;; *) alt="" ;; esac
-      base=${name%@old}; base=${base#alt_}; base=${base%_nochain}; base=${base%_torchcopy}
+      case ${name%@old} in *_bd) alt="$alt --runtime-breakdown" ;; esac
+      base=${name%@old}; base=${base#alt_}; base=${base%_bd}; base=${base%_nochain}; base=${base%_torchcopy}
       case $base in baseline) flags="" ;; core_attn) flags=$OFF ;;
         hooks_only) flags="$OFF --min-offloaded-tensor-size 1000000000000" ;;
         attn) flags="--fine-grained-activation-offloading --offload-modules qkv_linear core_attn attn_proj" ;;

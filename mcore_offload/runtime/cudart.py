@@ -1,4 +1,4 @@
-"""Raw ``cudaMemcpyAsync`` through the CUDA runtime library that PyTorch itself has loaded.
+"""Raw ``cudaMemcpyAsync`` and CUDA events through the CUDA runtime library that PyTorch itself has loaded.
 
 Why: inside a launch-bound training step a ``Tensor.copy_`` / ``UntypedStorage.copy_`` between a device storage
 and a pinned buffer costs 30-35 µs of host time (dispatcher, TensorIterator, a device guard, and an event that
@@ -7,8 +7,8 @@ issues one per offloaded storage, twice per step. The copy itself needs two addr
 
 Only the library already mapped into this process is used (never a second copy found on disk): its streams
 and context are PyTorch's. Where it is not found (a CPU build, a static link, another platform),
-:func:`memcpy_async` is None and the transport keeps PyTorch's copies. ``MCORE_OFFLOAD_RAW_COPY=0`` turns the
-raw path off.
+:func:`load_runtime` answers None and the transport keeps PyTorch's copies and events. ``MCORE_OFFLOAD_RAW_COPY=0``
+turns the raw path off.
 
 Safety is the caller's: the source and destination must stay allocated until the copy has run (the transport
 records the device block on the copying stream and keeps host buffers until a later event says they were read).
@@ -20,12 +20,15 @@ import ctypes
 import logging
 import os
 from collections.abc import Callable
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
 #: ``cudaMemcpyKind``
 HOST_TO_DEVICE = 1
 DEVICE_TO_HOST = 2
+CUDA_ERROR_NOT_READY = 600  # cudaErrorNotReady: cudaEventQuery's "not yet"
+EVENT_DISABLE_TIMING = 2  # cudaEventDisableTiming
 
 MemcpyAsync = Callable[[int, int, int, int, int], None]
 
@@ -41,26 +44,110 @@ def mapped_cudart(maps_text: str) -> str | None:
     return None
 
 
-def _bind(path: str) -> MemcpyAsync:
-    lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_GLOBAL)  # the mapped one, or an OSError
-    fn = lib.cudaMemcpyAsync
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-    fn.restype = ctypes.c_int
-    error_string = lib.cudaGetErrorString
-    error_string.argtypes = [ctypes.c_int]
-    error_string.restype = ctypes.c_char_p
+class RawEvent:
+    """A ``cudaEvent_t`` of the mapped runtime, with the part of ``torch.cuda.Event``'s interface the runtime uses
+    (``record(stream)`` takes a raw ``cudaStream_t``). When the last Python reference goes, the handle returns to
+    the free list it came from: no wait can be enqueued on it any more, and a wait already enqueued stays bound
+    to the record it saw (CUDA's rule), so recording it again later is safe."""
 
-    def memcpy_async(dst: int, src: int, nbytes: int, kind: int, stream: int) -> None:
-        err = fn(dst, src, nbytes, kind, stream)
+    __slots__ = ("handle", "_rt", "_free")
+
+    def __init__(self, rt: CudaRuntime, handle: int, free: list[int]) -> None:
+        self.handle, self._rt, self._free = handle, rt, free
+
+    def record(self, stream: int) -> None:
+        err = self._rt.event_record(self.handle, stream)
         if err:
-            raise RuntimeError(f"cudaMemcpyAsync failed: {error_string(err).decode()} (error {err}); "
-                               f"set MCORE_OFFLOAD_RAW_COPY=0 to use PyTorch's copies instead")
+            self._rt.fail("cudaEventRecord", err)
 
-    return memcpy_async
+    def query(self) -> bool:
+        err = self._rt.event_query(self.handle)
+        if err == CUDA_ERROR_NOT_READY:
+            return False
+        if err:
+            self._rt.fail("cudaEventQuery", err)
+        return True
+
+    def synchronize(self) -> None:
+        err = self._rt.event_synchronize(self.handle)
+        if err:
+            self._rt.fail("cudaEventSynchronize", err)
+
+    def elapsed_time(self, end: RawEvent) -> float:
+        """Milliseconds from this event to ``end`` (both timed and complete)."""
+        ms = ctypes.c_float()
+        err = self._rt.event_elapsed(ctypes.byref(ms), self.handle, end.handle)
+        if err:
+            self._rt.fail("cudaEventElapsedTime", err)
+        return ms.value
+
+    def __del__(self) -> None:
+        self._free.append(self.handle)
 
 
-def load_memcpy_async(maps_path: str = "/proc/self/maps") -> MemcpyAsync | None:
-    """``memcpy_async(dst, src, nbytes, kind, stream)`` bound to the process's CUDA runtime, or None."""
+class EventPool:
+    """The events of one device: created on first need (with that device current), recycled after that."""
+
+    def __init__(self, rt: CudaRuntime, device_index: int, timed: bool) -> None:
+        self.rt, self.device_index, self.timed = rt, device_index, timed
+        self.free: list[int] = []
+        self.created = 0
+
+    def get(self) -> RawEvent:
+        free = self.free
+        if free:
+            return RawEvent(self.rt, free.pop(), free)
+        import torch  # only here: this module is imported on CPU-only installs too
+
+        handle = ctypes.c_void_p()
+        with torch.cuda.device(self.device_index):  # an event belongs to the device current at its creation
+            err = self.rt.event_create(ctypes.byref(handle), 0 if self.timed else EVENT_DISABLE_TIMING)
+        if err:
+            self.rt.fail("cudaEventCreateWithFlags", err)
+        self.created += 1
+        return RawEvent(self.rt, handle.value, free)
+
+
+class CudaRuntime:
+    """Copies, events and cross-stream waits through the CUDA runtime library this process has mapped.
+
+    Why: each ``torch.cuda.Event`` record or ``Stream.wait_event`` goes through one or two Python frames of
+    PyTorch's wrappers before its C++ call, 8-11 µs of host time per call inside a launch-bound step (session 11's
+    breakdown: ``LinkTelemetry.mark`` 10.4 µs a call, about 14 such calls per offloaded group). A ctypes call into
+    the runtime is the C call alone. Streams are raw ``cudaStream_t`` values (``torch.cuda.Stream.cuda_stream``,
+    ``torch._C._cuda_getCurrentRawStream``), so these events order work on PyTorch's own streams.
+    """
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        vp, i, u = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint
+
+        def bind(name: str, *argtypes: Any) -> Any:
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = list(argtypes), ctypes.c_int
+            return fn
+
+        self.memcpy = bind("cudaMemcpyAsync", vp, vp, ctypes.c_size_t, i, vp)
+        self.event_create = bind("cudaEventCreateWithFlags", ctypes.POINTER(vp), u)
+        self.event_record = bind("cudaEventRecord", vp, vp)
+        self.stream_wait = bind("cudaStreamWaitEvent", vp, vp, u)
+        self.event_query = bind("cudaEventQuery", vp)
+        self.event_synchronize = bind("cudaEventSynchronize", vp)
+        self.event_elapsed = bind("cudaEventElapsedTime", ctypes.POINTER(ctypes.c_float), vp, vp)
+        self._error_string = lib.cudaGetErrorString
+        self._error_string.argtypes, self._error_string.restype = [i], ctypes.c_char_p
+
+    def fail(self, what: str, err: int) -> None:
+        raise RuntimeError(f"{what} failed: {self._error_string(err).decode()} (error {err}); "
+                           f"set MCORE_OFFLOAD_RAW_COPY=0 to use PyTorch's copies and events instead")
+
+    def memcpy_async(self, dst: int, src: int, nbytes: int, kind: int, stream: int) -> None:
+        err = self.memcpy(dst, src, nbytes, kind, stream)
+        if err:
+            self.fail("cudaMemcpyAsync", err)
+
+
+def load_runtime(maps_path: str = "/proc/self/maps") -> CudaRuntime | None:
+    """The process's CUDA runtime (:class:`CudaRuntime`), or None (not mapped, or ``MCORE_OFFLOAD_RAW_COPY=0``)."""
     if os.environ.get("MCORE_OFFLOAD_RAW_COPY", "1") == "0":
         return None
     try:
@@ -69,7 +156,14 @@ def load_memcpy_async(maps_path: str = "/proc/self/maps") -> MemcpyAsync | None:
         if path is None:
             logger.info("no CUDA runtime library mapped in this process: offload copies use PyTorch's copy_")
             return None
-        return _bind(path)
+        # RTLD_NOLOAD: the mapped library, or an OSError; never a second copy from disk
+        return CudaRuntime(ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_GLOBAL))
     except (OSError, AttributeError) as e:
-        logger.info("raw cudaMemcpyAsync unavailable (%s): offload copies use PyTorch's copy_", e)
+        logger.info("raw CUDA runtime calls unavailable (%s): offload copies use PyTorch's copy_", e)
         return None
+
+
+def load_memcpy_async(maps_path: str = "/proc/self/maps") -> MemcpyAsync | None:
+    """``memcpy_async(dst, src, nbytes, kind, stream)`` bound to the process's CUDA runtime, or None."""
+    rt = load_runtime(maps_path)
+    return None if rt is None else rt.memcpy_async

@@ -448,7 +448,8 @@ class ChunkOffloadHandler(HandlerBase):
         todo = list({id(e): e for e in entries if e.device_storage is None and e.host is not None}.values())
         if not todo:
             return
-        storages, event = self.transport.to_device([e.host for e in todo], [e.d2h_event for e in todo], self.device)
+        storages, event = self.transport.to_device([e.host for e in todo], [e.nbytes for e in todo],
+                                                   [e.d2h_event for e in todo], self.device)
         for entry, storage in zip(todo, storages):
             entry.device_storage, entry.h2d_event = storage, event
             entry.compute_waited = False

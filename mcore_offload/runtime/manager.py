@@ -14,6 +14,7 @@ import contextlib
 import functools
 import logging
 import os
+import weakref
 from collections import Counter
 from collections.abc import Iterator
 from time import perf_counter_ns
@@ -59,6 +60,20 @@ def enabled_points(config: Any) -> frozenset[str]:
     return frozenset(name for name in OFFLOAD_MODULES if point_enabled(config, name))
 
 
+def _enabled_points_cached(config: Any) -> frozenset[str]:
+    """:func:`enabled_points`, kept on the config per ``offload_modules`` value (one chunk start per microbatch)."""
+    key = tuple(config.offload_modules or ())
+    cached = getattr(config, "_mcore_offload_enabled_points", None)
+    if cached is None or cached[0] != key:
+        cached = (key, enabled_points(config))
+        object.__setattr__(config, "_mcore_offload_enabled_points", cached)
+    return cached[1]
+
+
+#: training steps in which a chunk's parameter storages are walked before the set is kept (see begin_chunk)
+PROTECTED_WALKS = 2
+
+
 def _parameter_storages(model: torch.nn.Module) -> tuple[torch.device | None, set[int]]:
     """The chunk's device and the storages of its parameters and main_grad buffers (never offloaded)."""
     params = list(model.parameters())
@@ -96,6 +111,9 @@ class OffloadManager:
         self._kept_before: set[tuple[int | None, int]] | None = None
         self._kept_now: set[tuple[int | None, int]] = set()
         self.early_flushes = 0  # chunks whose last layer left at end_chunk (tests)
+        # chunk -> (its device, its parameter and main_grad storages, training steps it was walked in)
+        self._protected: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._step_serial = 0  # schedule calls ended so far
         self.reset_step()
 
     def reset_step(self) -> None:
@@ -106,7 +124,6 @@ class OffloadManager:
         # a committed point whose group the next point of the layer joins: (handler, group, that next point)
         self.chain: tuple[ChunkOffloadHandler, Group, str] | None = None
         self._microbatches: dict[int | None, int] = {}
-        self._protected: dict[int, tuple[torch.device | None, set[int]]] = {}  # id(chunk) -> its storages
         self._measuring_started = False
         self._peak_reader: Any = None  # auto with a target, in the measured step: the allocator's peak
         self._trained = False  # a training forward ran in this schedule call
@@ -134,12 +151,15 @@ class OffloadManager:
         target = parse_auto(config.offload_modules)
         if target is not False and self.auto is None:
             self.auto = AutoPlanner(target)
-        found = self._protected.get(id(model))
-        if found is None:
-            # Walking every parameter costs about a millisecond on a large chunk: once per chunk and step
-            # (main_grad buffers may be replaced between steps, never inside one).
-            found = self._protected[id(model)] = _parameter_storages(model)
-        device, protected = found
+        found = self._protected.get(model)
+        if found is None or (found[2] < PROTECTED_WALKS and found[3] != self._step_serial):
+            # Walking every parameter costs about a millisecond on a large chunk, and storages are fixed once
+            # training runs: walked in the first PROTECTED_WALKS steps (main_grad buffers made lazily by the first
+            # backward are in the second walk), then kept. A storage this set misses is still never offloaded
+            # while its parameter lives: the parameter's reference makes the flush's use-count test skip it.
+            walks = 0 if found is None else found[2]
+            found = self._protected[model] = (*_parameter_storages(model), walks + 1, self._step_serial)
+        device, protected = found[0], found[1]
         if device is None:
             return
         mb = self._microbatches.get(vp_stage, 0)
@@ -148,7 +168,7 @@ class OffloadManager:
         # The points this chunk's config can enable at all: the other points of every layer leave ``offload``
         # on one set lookup (six of seven points per layer with a one-point set; each lookup is step time).
         handler.config = config
-        handler.enabled_points = enabled_points(config)
+        handler.enabled_points = _enabled_points_cached(config)
         self.handlers.append(handler)
         self.forward_handler = handler
         self._trained = True
@@ -280,6 +300,7 @@ class OffloadManager:
             self._kept_now = set()
         if self._peak_reader is not None:  # an aborted measured step: the next one measures again
             self.summary.stop_tracking_peak()
+        self._step_serial += 1
         self.reset_step()
 
     def _plan(self) -> Plan | None:

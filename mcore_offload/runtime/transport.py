@@ -13,7 +13,7 @@ from collections import defaultdict
 
 import torch
 
-from mcore_offload.runtime.cudart import DEVICE_TO_HOST, HOST_TO_DEVICE, load_memcpy_async
+from mcore_offload.runtime.cudart import DEVICE_TO_HOST, HOST_TO_DEVICE, CudaRuntime, EventPool, RawEvent, load_runtime
 from mcore_offload.runtime.telemetry import LinkTelemetry
 
 logger = logging.getLogger(__name__)
@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 
 _raw_set_stream = getattr(torch._C, "_cuda_setStream", None)
 _raw_current_stream = getattr(torch._C, "_cuda_getCurrentStream", None)  # (stream id, device index, type)
+_raw_current_stream_handle = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # the cudaStream_t
 
 
 def _set_stream(stream: torch.cuda.Stream) -> None:
@@ -88,6 +89,12 @@ class HostBufferPool:
 
     def acquire(self, nbytes: int, routed: str | None = None) -> tuple[torch.Tensor, object]:
         """A buffer for ``nbytes`` and the event its next writer waits on (``routed``: see the class)."""
+        buf, event = self.acquire_base(nbytes, routed)
+        return (buf if buf.numel() == nbytes else buf[:nbytes]), event
+
+    def acquire_base(self, nbytes: int, routed: str | None = None) -> tuple[torch.Tensor, object]:
+        """:meth:`acquire` without the slice: the whole buffer, at least ``nbytes`` long (raw copies need only its
+        address, and a slice is one more tensor op per storage on the hot path)."""
         if routed is not None:
             buf, event = self._acquire_routed(routed, nbytes)
         else:
@@ -102,7 +109,7 @@ class HostBufferPool:
                         break
                     i += 1
             buf, event = free.pop() if free else (self._allocate(cap, None), None)
-        return (buf if buf.numel() == nbytes else buf[:nbytes]), event
+        return buf, event
 
     def _acquire_routed(self, key: str, nbytes: int) -> tuple[torch.Tensor, object]:
         if nbytes > self._routed_largest.get(key, 0):
@@ -202,17 +209,17 @@ class Transport:
         self.telemetry.span("d2h", None, None, sum(s.nbytes() for s in storages))
         return bufs, None
 
-    def to_device(self, hosts: list[torch.Tensor], after: list[object], device: torch.device) -> tuple[list, object]:
-        """Copy host buffers into fresh device storages; return them and one event for all the copies.
-
-        ``after``: the D2H events these reads must follow.
+    def to_device(self, hosts: list[torch.Tensor], sizes: list[int], after: list[object],
+                  device: torch.device) -> tuple[list, object]:
+        """Copy the first ``sizes[i]`` bytes of each host buffer into a fresh device storage; return them and one
+        event for all the copies. ``after``: the D2H events these reads must follow.
         """
         out = []
-        for host in hosts:
-            dst = torch.empty(host.numel(), dtype=torch.uint8, device=device)
-            dst.copy_(host)
+        for host, n in zip(hosts, sizes):
+            dst = torch.empty(n, dtype=torch.uint8, device=device)
+            dst.copy_(host if host.numel() == n else host[:n])
             out.append(dst.untyped_storage())
-        self.telemetry.span("h2d", None, None, sum(h.numel() for h in hosts))
+        self.telemetry.span("h2d", None, None, sum(sizes))
         return out, None
 
     def wait(self, event: object) -> None:
@@ -226,12 +233,16 @@ class Transport:
 
 
 class CudaTransport(Transport):
-    """D2H and H2D on their own streams, event-guarded in both directions, timed for telemetry.
+    """D2H and H2D on their own streams, event-guarded in both directions, timed for telemetry, through PyTorch's
+    copies and events: the fallback where the CUDA runtime library cannot be called directly
+    (:class:`RawCudaTransport`, the default, does the same through it).
 
     Every call here runs once per copy burst on a launch-bound hot path, so the per-burst Python is kept to
     raw stream lookups and reused fence events: ``torch.cuda.current_stream`` builds a Stream object and
     ``Stream.wait_stream`` creates an event each call, and both cost more than the copy launches.
     """
+
+    _memcpy = None  # the raw copy entry point (RawCudaTransport); tests read which path ran
 
     def __init__(self, device: torch.device) -> None:
         self.pool = HostBufferPool(pin=True)
@@ -239,17 +250,16 @@ class CudaTransport(Transport):
         self.device_index = device.index if device.index is not None else torch.cuda.current_device()
         self.d2h_stream = torch.cuda.Stream(device=device)
         self.h2d_stream = torch.cuda.Stream(device=device)
-        self.telemetry = LinkTelemetry(lambda: torch.cuda.Event(enable_timing=True))
+        self.telemetry = LinkTelemetry(self._timing_event)
         # Recorded on the compute stream and waited on by a side stream right away: a wait binds to the
         # record before it, so one event per direction serves every burst.
         self._d2h_fence = torch.cuda.Event()
         self._h2d_fence = torch.cuda.Event()
         self._streams: dict[int, torch.cuda.Stream] = {}  # stream id -> Stream object, for the raw lookup
-        # Copies go straight to cudaMemcpyAsync on the side streams when the runtime library is found (see
-        # cudart.py): no current-stream switch, no per-copy event of PyTorch's pinned-memory allocator.
-        self._memcpy = load_memcpy_async()
-        self._d2h_handle = self.d2h_stream.cuda_stream
-        self._h2d_handle = self.h2d_stream.cuda_stream
+
+    @staticmethod
+    def _timing_event() -> torch.cuda.Event:
+        return torch.cuda.Event(enable_timing=True)
 
     def _current(self) -> torch.cuda.Stream:
         """The current (compute) stream, from a cache keyed by the raw stream id."""
@@ -285,31 +295,24 @@ class CudaTransport(Transport):
                 waited = event
             bufs.append(buf)
         start = self.telemetry.mark(d2h)
-        raw = self._memcpy
-        if raw is not None:
-            handle = self._d2h_handle
+        _set_stream(d2h)
+        try:
             for storage, buf, user in zip(storages, bufs, keep_alive):
-                raw(buf.data_ptr(), storage.data_ptr(), storage.nbytes(), DEVICE_TO_HOST, handle)
+                copy_into_host(buf, storage, non_blocking=True)
                 # The caching allocator must not hand this block out before the copy has read it.
                 user.record_stream(d2h)
-        else:
-            _set_stream(d2h)
-            try:
-                for storage, buf, user in zip(storages, bufs, keep_alive):
-                    copy_into_host(buf, storage, non_blocking=True)
-                    user.record_stream(d2h)
-            finally:
-                _set_stream(compute)
+        finally:
+            _set_stream(compute)
         done = self._done_event()
         done.record(d2h)
         self.telemetry.span("d2h", start, done, nbytes, keep_end=True)
         return bufs, done
 
-    def to_device(self, hosts, after, device):
+    def to_device(self, hosts, sizes, after, device):
         h2d = self.h2d_stream
         # Allocated on the compute stream, which is the stream that consumes and later frees them. Byte tensors,
         # not bare storages: a tensor-to-tensor copy costs less host time than storage.copy_.
-        out = [torch.empty(host.numel(), dtype=torch.uint8, device=device) for host in hosts]
+        out = [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
         compute = self._current()
         # The new blocks may be memory the compute stream has just freed and still reads.
         self._h2d_fence.record(compute)
@@ -321,25 +324,15 @@ class CudaTransport(Transport):
                 h2d.wait_event(event)
                 waited = event
         start = self.telemetry.mark(h2d)
-        nbytes = 0
-        raw = self._memcpy
-        if raw is not None:
-            handle = self._h2d_handle
-            for dst, host in zip(out, hosts):
-                n = host.numel()
-                raw(dst.data_ptr(), host.data_ptr(), n, HOST_TO_DEVICE, handle)
-                nbytes += n
-        else:
-            _set_stream(h2d)
-            try:
-                for dst, host in zip(out, hosts):
-                    dst.copy_(host, non_blocking=True)
-                    nbytes += host.numel()
-            finally:
-                _set_stream(compute)
+        _set_stream(h2d)
+        try:
+            for dst, host, n in zip(out, hosts, sizes):
+                dst.copy_(host if host.numel() == n else host[:n], non_blocking=True)
+        finally:
+            _set_stream(compute)
         done = self._done_event()
         done.record(h2d)
-        self.telemetry.span("h2d", start, done, nbytes, keep_end=True)
+        self.telemetry.span("h2d", start, done, sum(sizes), keep_end=True)
         return [dst.untyped_storage() for dst in out], done
 
     def wait(self, event):
@@ -356,6 +349,115 @@ class CudaTransport(Transport):
         self.h2d_stream.synchronize()
 
 
+class RawCudaTransport(CudaTransport):
+    """:class:`CudaTransport` with every copy, event record and cross-stream wait a direct call into the CUDA
+    runtime PyTorch has loaded (:class:`~mcore_offload.runtime.cudart.CudaRuntime`), on raw stream handles.
+
+    The same hand-offs, each guarded by an event: the side stream waits for the compute stream before reading a
+    saved storage or writing a new block; an H2D waits for the D2H that filled its buffer; a reused host buffer
+    waits for the H2D that last read it; the compute stream waits for a reload before its first reader. Host
+    buffers travel whole (no slice tensor): a burst needs only addresses and sizes.
+    """
+
+    def __init__(self, device: torch.device, runtime: CudaRuntime) -> None:
+        super().__init__(device)
+        self.rt = runtime
+        self._memcpy = runtime.memcpy_async
+        self._timed_events = EventPool(runtime, self.device_index, timed=True)
+        self.telemetry = LinkTelemetry(self._timed_events.get)
+        self._d2h_fence = EventPool(runtime, self.device_index, timed=False).get()
+        self._h2d_fence = EventPool(runtime, self.device_index, timed=False).get()
+        self._d2h_handle = self.d2h_stream.cuda_stream
+        self._h2d_handle = self.h2d_stream.cuda_stream
+
+    def _done_event(self) -> RawEvent:
+        """The event a burst's readers wait on; also the telemetry's end mark (always timed here: a timed event
+        records and is waited on like any other, and one pool serves marks and done events)."""
+        return self._timed_events.get()
+
+    def _compute_handle(self) -> int:
+        if _raw_current_stream_handle is not None:
+            return _raw_current_stream_handle(self.device_index)
+        return self._current().cuda_stream
+
+    def to_host(self, storages, keep_alive, routed):
+        rt = self.rt
+        record, stream_wait, memcpy = rt.event_record, rt.stream_wait, rt.memcpy
+        d2h = self._d2h_handle
+        fence = self._d2h_fence.handle
+        # The saved tensors were produced on the compute stream: copy only after it reached this point.
+        err = record(fence, self._compute_handle()) or stream_wait(d2h, fence, 0)
+        bufs = []
+        waited = None
+        nbytes = 0
+        sizes = []
+        acquire = self.pool.acquire_base
+        for storage, r in zip(storages, routed):
+            n = storage.nbytes()
+            sizes.append(n)
+            nbytes += n
+            buf, event = acquire(n, r)
+            if event is not None and event is not waited:
+                # A reused buffer's previous H2D must have read it before we overwrite it.
+                err = err or stream_wait(d2h, event.handle, 0)
+                waited = event
+            bufs.append(buf)
+        if err:
+            rt.fail("cudaEventRecord/cudaStreamWaitEvent", err)
+        start = self.telemetry.mark(d2h)
+        d2h_stream = self.d2h_stream
+        for storage, buf, user, n in zip(storages, bufs, keep_alive, sizes):
+            err = memcpy(buf.data_ptr(), storage.data_ptr(), n, DEVICE_TO_HOST, d2h)
+            if err:
+                rt.fail("cudaMemcpyAsync", err)
+            # The caching allocator must not hand this block out before the copy has read it.
+            user.record_stream(d2h_stream)
+        done = self._done_event()
+        err = record(done.handle, d2h)
+        if err:
+            rt.fail("cudaEventRecord", err)
+        self.telemetry.span("d2h", start, done, nbytes, keep_end=True)
+        return bufs, done
+
+    def to_device(self, hosts, sizes, after, device):
+        rt = self.rt
+        record, stream_wait, memcpy = rt.event_record, rt.stream_wait, rt.memcpy
+        h2d = self._h2d_handle
+        # Allocated on the compute stream, which is the stream that consumes and later frees them.
+        out = [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
+        fence = self._h2d_fence.handle
+        # The new blocks may be memory the compute stream has just freed and still reads.
+        err = record(fence, self._compute_handle()) or stream_wait(h2d, fence, 0)
+        waited = None
+        for event in after:
+            if event is not None and event is not waited:
+                # A reload reads the host copy: its own D2H must have finished (upstream bug #7398).
+                err = err or stream_wait(h2d, event.handle, 0)
+                waited = event
+        if err:
+            rt.fail("cudaEventRecord/cudaStreamWaitEvent", err)
+        start = self.telemetry.mark(h2d)
+        for dst, host, n in zip(out, hosts, sizes):
+            err = memcpy(dst.data_ptr(), host.data_ptr(), n, HOST_TO_DEVICE, h2d)
+            if err:
+                rt.fail("cudaMemcpyAsync", err)
+        done = self._done_event()
+        err = record(done.handle, h2d)
+        if err:
+            rt.fail("cudaEventRecord", err)
+        self.telemetry.span("h2d", start, done, sum(sizes), keep_end=True)
+        return [dst.untyped_storage() for dst in out], done
+
+    def wait(self, event):
+        if event is not None:
+            compute = self._compute_handle()
+            arrival = self.telemetry.mark(compute)  # see CudaTransport.wait
+            err = self.rt.stream_wait(compute, event.handle, 0)
+            if err:
+                self.rt.fail("cudaStreamWaitEvent", err)
+            self.telemetry.span("stall", arrival, event, keep_end=True)
+
+
 _TRANSPORTS: dict[torch.device, Transport] = {}
 
 
@@ -363,7 +465,11 @@ def transport_for(device: torch.device) -> Transport:
     """The shared transport of ``device`` (streams and pinned pool live as long as the process)."""
     t = _TRANSPORTS.get(device)
     if t is None:
-        t = CudaTransport(device) if device.type == "cuda" else Transport()
+        if device.type != "cuda":
+            t = Transport()
+        else:
+            runtime = load_runtime()
+            t = CudaTransport(device) if runtime is None else RawCudaTransport(device, runtime)
         _TRANSPORTS[device] = t
     return t
 
