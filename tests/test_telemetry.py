@@ -109,3 +109,35 @@ def test_a_stall_ends_on_the_awaited_copy_and_a_copy_done_before_the_wait_is_no_
     second_arrival.done = True
     [(_, link)] = tel.resolve()
     assert link.waits == 2 and link.stall_ms == pytest.approx(3.0)
+
+
+def test_timing_is_sampled_by_step_and_untimed_steps_count_bytes_only():
+    tel = LinkTelemetry(FakeEvent, every=3)
+    timed = []
+    for step in range(10):
+        timed.append(tel.timing)
+        start = tel.mark("d2h")
+        FakeEvent.clock += 1.0
+        done = FakeEvent()  # the burst's own done event (the transport's), recorded whatever the sampling
+        done.record("d2h")
+        done.done = True
+        if start is not None:
+            start.done = True
+        tel.span("d2h", start, done, 1_000_000, keep_end=True)
+        tel.end_step(step)
+    assert timed == [True] * 4 + [False, False, True, False, False, True]  # steps 0-3, then every 3rd
+    links = dict(tel.resolve())
+    assert [links[s].d2h_GBps is not None for s in range(10)] == timed
+    assert all(links[s].d2h_bytes == 1_000_000 for s in range(10))
+    assert links[4].stall_ms is None and links[6].d2h_GBps == pytest.approx(1.0)
+
+
+def test_a_bad_sampling_setting_is_one_clear_sentence(monkeypatch):
+    monkeypatch.setenv("MCORE_OFFLOAD_TELEMETRY_EVERY", "0")
+    with pytest.raises(ValueError, match="MCORE_OFFLOAD_TELEMETRY_EVERY='0' is not a positive integer"):
+        LinkTelemetry(FakeEvent)
+    monkeypatch.setenv("MCORE_OFFLOAD_TELEMETRY_EVERY", "1")
+    tel = LinkTelemetry(FakeEvent)
+    for step in range(6):
+        assert tel.timing
+        tel.end_step(step)

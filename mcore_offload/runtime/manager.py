@@ -181,6 +181,8 @@ class OffloadManager:
                 self.summary.track_peak(self._peak_reader)
             self._measuring_started = True
             handler.marks = self.auto.chunk_started(vp_stage)
+            telemetry = handler.transport.telemetry
+            telemetry.timing = telemetry.timed  # the plan reads this step's link throughput
 
     def end_chunk(self, output: Any) -> None:
         """The chunk's decoder returned ``output``: when its gradient arrives, the chunk's backward starts.

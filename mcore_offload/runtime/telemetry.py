@@ -9,16 +9,40 @@ read at the end of the *next* step (by then the GPU has long passed them; ``quer
 on demand by :meth:`LinkTelemetry.resolve` with ``wait=True`` (the benchmark, after its last step).
 
 Marks are pooled: after step 1 no mark is created, only re-recorded (done events belong to the transport).
+
+Timing is sampled by step: the first :data:`ALWAYS_TIMED_STEPS` steps, then every ``every``-th
+(``MCORE_OFFLOAD_TELEMETRY_EVERY``, default :data:`DEFAULT_EVERY`; 1 times every step). Each timed step costs
+three more CUDA calls per offloaded group (a start mark per copy burst and an arrival mark per wait) and one
+elapsed-time read per mark, and inside a launch-bound step each CUDA call costs 8-10 µs of host time (session 11).
+Untimed steps still count bytes and waits; their times are None. The ``auto`` probe's measured step is always
+timed (the manager forces it).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 logger = logging.getLogger(__name__)
+
+ALWAYS_TIMED_STEPS = 4
+DEFAULT_EVERY = 4
+
+
+def every_from_env() -> int:
+    """``MCORE_OFFLOAD_TELEMETRY_EVERY`` as a positive int (a bad value: one clear sentence)."""
+    raw = os.environ.get("MCORE_OFFLOAD_TELEMETRY_EVERY", str(DEFAULT_EVERY))
+    try:
+        every = int(raw)
+    except ValueError:
+        every = 0
+    if every < 1:
+        raise ValueError(f"MCORE_OFFLOAD_TELEMETRY_EVERY={raw!r} is not a positive integer; set it to 1 to time "
+                         f"every step, or N to time every N-th step")
+    return every
 
 
 @dataclass
@@ -50,8 +74,11 @@ class LinkTelemetry:
     With ``new_event=None`` (the CPU transport) only bytes are counted.
     """
 
-    def __init__(self, new_event: Callable[[], Any] | None) -> None:
+    def __init__(self, new_event: Callable[[], Any] | None, every: int | None = None) -> None:
         self._new_event = new_event
+        self.every = every_from_env() if every is None else every
+        #: whether the current step is timed (see the module docstring); the manager may set it for a step
+        self.timing = new_event is not None
         self._free: list[Any] = []
         self._current = _Pending(step=0)
         self._unresolved: list[_Pending] = []
@@ -62,8 +89,8 @@ class LinkTelemetry:
         return self._new_event is not None
 
     def mark(self, stream: Any) -> Any:
-        """Record a timing event on ``stream`` now (None without a clock)."""
-        if self._new_event is None:
+        """Record a timing event on ``stream`` now (None without a clock, or in an untimed step)."""
+        if not self.timing:
             return None
         ev = self._free.pop() if self._free else None
         if ev is None:
@@ -82,6 +109,8 @@ class LinkTelemetry:
         self._current.step = step
         self._unresolved.append(self._current)
         self._current = _Pending(step=step + 1)
+        following = step + 1
+        self.timing = self.timed and (following < ALWAYS_TIMED_STEPS or following % self.every == 0)
 
     def resolve(self, wait: bool = False) -> list[tuple[int, StepLink]]:
         """Read every ended step whose events are complete (all of them with ``wait``), oldest first."""
@@ -102,7 +131,8 @@ class LinkTelemetry:
         # bursts out of their recording order; the last h2d end covers every stall end.
         last: dict[tuple[str, int], Any] = {}
         for kind, start, end, _, _ in pending.spans:
-            last[kind, 0], last[kind, 1] = start, end
+            if start is not None:  # an untimed step has no starts: nothing to wait for
+                last[kind, 0], last[kind, 1] = start, end
         return all(self._complete(event, wait) for event in last.values())
 
     def _complete(self, event: Any, wait: bool) -> bool:
@@ -116,6 +146,7 @@ class LinkTelemetry:
     def _read(self, pending: _Pending) -> StepLink:
         link = StepLink()
         ms = {"d2h": 0.0, "h2d": 0.0, "stall": 0.0}
+        timed = False
         for kind, start, end, nbytes, keep_end in pending.spans:
             if kind == "d2h":
                 link.d2h_bytes += nbytes
@@ -127,10 +158,11 @@ class LinkTelemetry:
                 # a stall span may end on the awaited copy's own event: a copy done before the compute stream
                 # arrived is no stall (negative distance)
                 ms[kind] += max(0.0, start.elapsed_time(end))
+                timed = True
                 self._free.append(start)
                 if not keep_end:
                     self._free.append(end)
-        if self.timed:
+        if self.timed and (timed or not pending.spans):
             link.stall_ms = ms["stall"] if link.waits else 0.0
             link.d2h_ms, link.h2d_ms = ms["d2h"], ms["h2d"]
             # bytes per ms / 1e6 = GB/s
