@@ -156,7 +156,8 @@ class OffloadManager:
             # Walking every parameter costs about a millisecond on a large chunk, and storages are fixed once
             # training runs: walked in the first PROTECTED_WALKS steps (main_grad buffers made lazily by the first
             # backward are in the second walk), then kept. A storage this set misses is still never offloaded
-            # while its parameter lives: the parameter's reference makes the flush's use-count test skip it.
+            # while its parameter lives: the parameter's reference makes the flush's use-count test skip it (where
+            # torch exposes storage use counts; handler._held_elsewhere).
             walks = 0 if found is None else found[2]
             found = self._protected[model] = (*_parameter_storages(model), walks + 1, self._step_serial)
         device, protected = found[0], found[1]
