@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 HOST_TO_DEVICE = 1
 DEVICE_TO_HOST = 2
 CUDA_ERROR_NOT_READY = 600  # cudaErrorNotReady: cudaEventQuery's "not yet"
+EVENT_BLOCKING_SYNC = 1  # cudaEventBlockingSync: a synchronize on it sleeps instead of spinning a core
 EVENT_DISABLE_TIMING = 2  # cudaEventDisableTiming
 
 MemcpyAsync = Callable[[int, int, int, int, int], None]
@@ -88,8 +89,9 @@ class RawEvent:
 class EventPool:
     """The events of one device: created on first need (with that device current), recycled after that."""
 
-    def __init__(self, rt: CudaRuntime, device_index: int, timed: bool) -> None:
+    def __init__(self, rt: CudaRuntime, device_index: int, timed: bool, blocking: bool = False) -> None:
         self.rt, self.device_index, self.timed = rt, device_index, timed
+        self.flags = (0 if timed else EVENT_DISABLE_TIMING) | (EVENT_BLOCKING_SYNC if blocking else 0)
         self.free: list[int] = []
         self.created = 0
 
@@ -101,7 +103,7 @@ class EventPool:
 
         handle = ctypes.c_void_p()
         with torch.cuda.device(self.device_index):  # an event belongs to the device current at its creation
-            err = self.rt.event_create(ctypes.byref(handle), 0 if self.timed else EVENT_DISABLE_TIMING)
+            err = self.rt.event_create(ctypes.byref(handle), self.flags)
         if err:
             self.rt.fail("cudaEventCreateWithFlags", err)
         self.created += 1
@@ -135,9 +137,18 @@ class CudaRuntime:
         self.event_elapsed = bind("cudaEventElapsedTime", ctypes.POINTER(ctypes.c_float), vp, vp)
         self._error_string = lib.cudaGetErrorString
         self._error_string.argtypes, self._error_string.restype = [i], ctypes.c_char_p
+        self._lib = lib
+
+    def function_addresses(self) -> list[int]:
+        """The entry points the copy engine calls (:mod:`~mcore_offload.runtime.copy_engine`), in its order."""
+        names = ("cudaSetDevice", "cudaEventRecord", "cudaStreamWaitEvent", "cudaMemcpyAsync", "cudaEventSynchronize")
+        return [ctypes.cast(getattr(self._lib, n), ctypes.c_void_p).value for n in names]
+
+    def error_string(self, err: int) -> str:
+        return f"{self._error_string(err).decode()} (error {err})"
 
     def fail(self, what: str, err: int) -> None:
-        raise RuntimeError(f"{what} failed: {self._error_string(err).decode()} (error {err}); "
+        raise RuntimeError(f"{what} failed: {self.error_string(err)}; "
                            f"set MCORE_OFFLOAD_RAW_COPY=0 to use PyTorch's copies and events instead")
 
     def memcpy_async(self, dst: int, src: int, nbytes: int, kind: int, stream: int) -> None:

@@ -1,0 +1,155 @@
+"""Training-thread host time of one offload copy burst: inline CUDA calls against the copy engine's thread.
+
+An emulated launch-bound layer (many small kernels and a few GEMMs, as in config A on an H100) runs in a loop; each
+layer also offloads three 2 MiB storages (D2H burst) and reloads three (H2D burst, the compute stream waits on it),
+the calls a group of ``core_attn`` makes. The figure is the training thread's extra wall time per layer over the
+same loop without copies. GPU host, torch only (no megatron, ~30 s):
+
+    python3 benchmarks/gpu/copy_thread_cost.py --out OUT/copy_thread_cost.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import copy_engine as ce  # noqa: E402
+
+from mcore_offload.runtime.cudart import DEVICE_TO_HOST, HOST_TO_DEVICE, EventPool, load_runtime  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=300)
+    p.add_argument("--small", type=int, default=60, help="tiny kernels per layer")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+
+    dev = torch.device("cuda", 0)
+    rt = load_runtime()
+    assert rt is not None, "no mapped CUDA runtime"
+    lib = ce.load_library(ce.build_library())
+    engine = ce.CopyEngine(lib, rt.function_addresses(), 0, rt.error_string)
+    pool = EventPool(rt, 0, timed=False)
+    blocking = EventPool(rt, 0, timed=False, blocking=True)
+    d2h, h2d = torch.cuda.Stream(), torch.cuda.Stream()
+    d2h_h, h2d_h = d2h.cuda_stream, h2d.cuda_stream
+    fence_d, fence_h = pool.get(), pool.get()
+
+    x = torch.zeros(16, device=dev)
+    a = torch.randn(4096, 2048, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(2048, 2048, device=dev, dtype=torch.bfloat16)
+    nbytes = 2 << 20  # small: the link never holds the loop back; the figure is host time
+    srcs = [torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=dev) for _ in range(3)]
+    hosts = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(3)]
+    dsts = [torch.empty(nbytes, dtype=torch.uint8, device=dev) for _ in range(3)]
+
+    def compute() -> int:
+        return torch._C._cuda_getCurrentRawStream(0)
+
+    def layer_work() -> None:
+        for _ in range(args.small):
+            x.add_(1.0)
+        for _ in range(4):
+            torch.mm(a, b)
+
+    def burst_inline() -> None:
+        rec, wait, cp = rt.event_record, rt.stream_wait, rt.memcpy
+        c = compute()
+        rec(fence_d.handle, c)
+        wait(d2h_h, fence_d.handle, 0)
+        for s, h in zip(srcs, hosts):
+            cp(h.data_ptr(), s.data_ptr(), nbytes, DEVICE_TO_HOST, d2h_h)
+        done = pool.get()
+        rec(done.handle, d2h_h)
+        rec(fence_h.handle, c)
+        wait(h2d_h, fence_h.handle, 0)
+        wait(h2d_h, done.handle, 0)
+        for d, h in zip(dsts, hosts):
+            cp(d.data_ptr(), h.data_ptr(), nbytes, HOST_TO_DEVICE, h2d_h)
+        back = pool.get()
+        rec(back.handle, h2d_h)
+        wait(c, back.handle, 0)
+
+    held = []
+
+    def burst_thread(reap: bool = True, events: EventPool = blocking) -> None:
+        c = compute()
+        done = events.get()
+        ops = [ce.OP_RECORD, fence_d.handle, c, ce.OP_WAIT, d2h_h, fence_d.handle]
+        for s, h in zip(srcs, hosts):
+            ops += (ce.OP_COPY, h.data_ptr(), s.data_ptr(), nbytes, DEVICE_TO_HOST, d2h_h)
+        ops += (ce.OP_RECORD, done.handle, d2h_h)
+        if reap:
+            held.append((engine.completion(ops, done.handle), done))
+        engine.submit(ops)
+        while held and engine.completed(held[0][0]):
+            held.pop(0)
+        back = pool.get()
+        ops = [ce.OP_RECORD, fence_h.handle, c, ce.OP_WAIT, h2d_h, fence_h.handle, ce.OP_WAIT, h2d_h, done.handle]
+        for d, h in zip(dsts, hosts):
+            ops += (ce.OP_COPY, d.data_ptr(), h.data_ptr(), nbytes, HOST_TO_DEVICE, h2d_h)
+        ops += (ce.OP_RECORD, back.handle, h2d_h)
+        job = engine.submit(ops)
+        layer_work()  # the reload is awaited a layer's work later, as the prefetch does
+        engine.wait_issued(job)
+        rt.stream_wait(c, back.handle, 0)
+
+    def run(variant: str) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(args.layers):
+            layer_work()
+            if variant == "inline":
+                burst_inline()
+                layer_work()
+            elif variant == "thread":
+                burst_thread()
+            elif variant == "thread_spin":  # the reaper synchronizes on spinning (default-flag) events
+                burst_thread(events=pool)
+            elif variant == "thread_noreap":
+                burst_thread(reap=False)
+            else:
+                layer_work()
+        host = time.perf_counter() - t0
+        engine.drain()
+        torch.cuda.synchronize()
+        return host / args.layers * 1e6
+
+    variants = ("none", "inline", "thread", "thread_spin", "thread_noreap")
+    for v in variants:  # warm-up
+        run(v)
+    res: dict[str, list[float]] = {v: [] for v in variants}
+    for _ in range(args.reps):
+        for v in res:
+            res[v].append(run(v))
+    # round trip check: what came back equals what left
+    for d, s in zip(dsts, srcs):
+        assert torch.equal(d, s), "copy engine round trip mismatch"
+    med = {v: statistics.median(t) for v, t in res.items()}
+    out = {
+        "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "python": platform.python_version(),
+        "layers": args.layers, "small_kernels": args.small,
+        "host_us_per_layer": res, "median_us_per_layer": med,
+        "burst_us": {v: med[v] - med["none"] for v in variants[1:]},
+        "engine_counters": [engine.counters[i] for i in range(6)],
+    }
+    engine.stop()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print(json.dumps({k: out[k] for k in ("median_us_per_layer", "burst_us")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
