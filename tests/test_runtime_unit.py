@@ -422,3 +422,42 @@ def test_a_changed_offload_modules_list_is_seen_by_the_next_chunk():
     assert _enabled_points_cached(config) == frozenset({"core_attn"})
     config.offload_modules = ["core_attn", "attn_proj"]
     assert _enabled_points_cached(config) == frozenset({"core_attn", "attn_proj"})
+
+
+class _Burst:
+    """A D2H burst's done event (query answers ``done``) for :meth:`CudaTransport.release_copied`."""
+
+    def __init__(self, done):
+        self.done = done
+        self.queries = 0
+
+    def query(self):
+        self.queries += 1
+        return self.done
+
+
+class _Held:
+    def __init__(self):
+        self.streams = []
+
+    def record_stream(self, stream):
+        self.streams.append(stream)
+
+
+def test_copied_blocks_are_let_go_in_burst_order_and_the_rest_handed_to_the_allocator_at_the_end():
+    from collections import deque
+
+    from mcore_offload.runtime.transport import CudaTransport
+
+    bursts = [_Burst(True), _Burst(False), _Burst(True)]
+    tensors = [[_Held()], [_Held(), _Held()], [_Held()]]
+    t = SimpleNamespace(_held=deque(zip(bursts, tensors)), d2h_stream="d2h")
+    CudaTransport.release_copied(t)
+    # the first burst finished: gone; the second has not, and the third waits behind it (one query per burst)
+    assert [b for b, _ in t._held] == bursts[1:]
+    assert [b.queries for b in bursts] == [1, 1, 0]
+    assert all(not h.streams for ts in tensors for h in ts)
+    CudaTransport.release_copied(t, final=True)
+    assert not t._held
+    # what was still held goes to the allocator guarded by the copy stream; what was let go earlier is untouched
+    assert [h.streams for ts in tensors for h in ts] == [[], ["d2h"], ["d2h"], ["d2h"]]

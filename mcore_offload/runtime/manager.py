@@ -203,6 +203,9 @@ class OffloadManager:
             if handler.pending:
                 handler.flush()
                 self.early_flushes += 1
+        # The output layer and the loss come next, often the step's peak: copied blocks must not wait for the
+        # next layer's flush to go back to the allocator.
+        handler.transport.release_copied(final=True)
         self.summary.runtime_ns += perf_counter_ns() - t0
 
     def handler_for(self, config: Any, name: str | None) -> ChunkOffloadHandler | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 import logging
-from collections import defaultdict
+from collections import defaultdict, deque
 
 import torch
 
@@ -225,6 +225,9 @@ class Transport:
     def wait(self, event: object) -> None:
         """Make the current (compute) stream wait for ``event``."""
 
+    def release_copied(self, final: bool = False) -> None:
+        """Let go of the device blocks whose copy to the host has finished (``final``: of all of them)."""
+
     def release_host(self, buf: torch.Tensor, h2d_event: object) -> None:
         self.pool.release(buf, h2d_event)
 
@@ -256,6 +259,8 @@ class CudaTransport(Transport):
         self._d2h_fence = torch.cuda.Event()
         self._h2d_fence = torch.cuda.Event()
         self._streams: dict[int, torch.cuda.Stream] = {}  # stream id -> Stream object, for the raw lookup
+        # (done event, the device tensors it read) per D2H burst, oldest first: see release_copied
+        self._held: deque[tuple[object, list[torch.Tensor]]] = deque()
 
     @staticmethod
     def _timing_event() -> torch.cuda.Event:
@@ -276,6 +281,7 @@ class CudaTransport(Transport):
         return torch.cuda.Event(enable_timing=self.telemetry.timed)
 
     def to_host(self, storages, keep_alive, routed):
+        self.release_copied()
         d2h = self.d2h_stream
         compute = self._current()
         # The saved tensors were produced on the compute stream: copy only after it reached this point.
@@ -297,18 +303,18 @@ class CudaTransport(Transport):
         start = self.telemetry.mark(d2h)
         _set_stream(d2h)
         try:
-            for storage, buf, user in zip(storages, bufs, keep_alive):
+            for storage, buf in zip(storages, bufs):
                 copy_into_host(buf, storage, non_blocking=True)
-                # The caching allocator must not hand this block out before the copy has read it.
-                user.record_stream(d2h)
         finally:
             _set_stream(compute)
         done = self._done_event()
         done.record(d2h)
+        self._held.append((done, keep_alive))
         self.telemetry.span("d2h", start, done, nbytes, keep_end=True)
         return bufs, done
 
     def to_device(self, hosts, sizes, after, device):
+        self.release_copied()
         h2d = self.h2d_stream
         # Allocated on the compute stream, which is the stream that consumes and later frees them. Byte tensors,
         # not bare storages: a tensor-to-tensor copy costs less host time than storage.copy_.
@@ -344,9 +350,30 @@ class CudaTransport(Transport):
             compute.wait_event(event)
             self.telemetry.span("stall", arrival, event, keep_end=True)
 
+    def release_copied(self, final=False):
+        """Drop our references to the device blocks whose D2H burst has finished, oldest burst first.
+
+        Why not ``record_stream``: with it, every free of a copied block records an allocator event, and every
+        allocation while that event is pending queries it: tens of CUDA calls per layer in a launch-bound step
+        (8-10 µs each), on top of the ones this runtime makes. Holding the tensors costs one query per burst,
+        made at the next burst or reload; their blocks go back to the allocator then. ``final`` (a chunk's forward
+        ended, a step ended): the bursts still in flight are handed to the allocator with ``record_stream``, as
+        before, so their memory comes back as soon as the copy has read it, with no later poll needed.
+        """
+        held = self._held
+        while held and held[0][0].query():
+            held.popleft()
+        if final and held:
+            stream = self.d2h_stream
+            for _, tensors in held:
+                for t in tensors:
+                    t.record_stream(stream)  # the allocator must not reuse the block before the copy read it
+            held.clear()
+
     def synchronize(self):
         self.d2h_stream.synchronize()
         self.h2d_stream.synchronize()
+        self._held.clear()
 
 
 class RawCudaTransport(CudaTransport):
@@ -381,6 +408,7 @@ class RawCudaTransport(CudaTransport):
         return self._current().cuda_stream
 
     def to_host(self, storages, keep_alive, routed):
+        self.release_copied()
         rt = self.rt
         record, stream_wait, memcpy = rt.event_record, rt.stream_wait, rt.memcpy
         d2h = self._d2h_handle
@@ -405,21 +433,21 @@ class RawCudaTransport(CudaTransport):
         if err:
             rt.fail("cudaEventRecord/cudaStreamWaitEvent", err)
         start = self.telemetry.mark(d2h)
-        d2h_stream = self.d2h_stream
-        for storage, buf, user, n in zip(storages, bufs, keep_alive, sizes):
+        for storage, buf, n in zip(storages, bufs, sizes):
             err = memcpy(buf.data_ptr(), storage.data_ptr(), n, DEVICE_TO_HOST, d2h)
             if err:
                 rt.fail("cudaMemcpyAsync", err)
-            # The caching allocator must not hand this block out before the copy has read it.
-            user.record_stream(d2h_stream)
         done = self._done_event()
         err = record(done.handle, d2h)
         if err:
             rt.fail("cudaEventRecord", err)
+        # The caching allocator must not hand these blocks out before the copy has read them (release_copied).
+        self._held.append((done, keep_alive))
         self.telemetry.span("d2h", start, done, nbytes, keep_end=True)
         return bufs, done
 
     def to_device(self, hosts, sizes, after, device):
+        self.release_copied()
         rt = self.rt
         record, stream_wait, memcpy = rt.event_record, rt.stream_wait, rt.memcpy
         h2d = self._h2d_handle
@@ -475,8 +503,10 @@ def transport_for(device: torch.device) -> Transport:
 
 
 def settle_pools() -> None:
-    """End of a step: let each host pool settle (:meth:`HostBufferPool.settle`)."""
+    """End of a step: hand every copied device block back (:meth:`Transport.release_copied`) and let each host pool
+    settle (:meth:`HostBufferPool.settle`)."""
     for t in _TRANSPORTS.values():
+        t.release_copied(final=True)
         t.pool.settle()
 
 
