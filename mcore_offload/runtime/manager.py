@@ -271,6 +271,9 @@ class OffloadManager:
                 self._kept_now.add((handler.vp_stage, handler.microbatch))
         elif fwd is not None and fwd.pending:
             fwd.flush()
+        if not handler.backward_started:
+            # A model that never called end_chunk: its forward's copied blocks go back before its backward.
+            handler.transport.release_copied(final=True)
         self._forward_ended(handler)
 
     @staticmethod
