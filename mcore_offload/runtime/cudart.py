@@ -11,7 +11,8 @@ and context are PyTorch's. Where it is not found (a CPU build, a static link, an
 turns the raw path off.
 
 Safety is the caller's: the source and destination must stay allocated until the copy has run (the transport
-records the device block on the copying stream and keeps host buffers until a later event says they were read).
+holds a copied device block until its burst's event is seen complete, and keeps host buffers until a later event says
+they were read).
 """
 
 from __future__ import annotations
