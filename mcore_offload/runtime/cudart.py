@@ -141,7 +141,7 @@ class CudaRuntime:
         self._lib = lib
 
     def function_addresses(self) -> list[int]:
-        """The entry points the copy engine calls (:mod:`~mcore_offload.runtime.copy_engine`), in its order."""
+        """The entry points the copy-engine experiment calls (``benchmarks/gpu/copy_engine.py``), in its order."""
         names = ("cudaSetDevice", "cudaEventRecord", "cudaStreamWaitEvent", "cudaMemcpyAsync", "cudaEventSynchronize")
         return [ctypes.cast(getattr(self._lib, n), ctypes.c_void_p).value for n in names]
 
