@@ -1,11 +1,14 @@
-"""CPU microbenchmark: the host time offloading adds to a layer that saves like TE's grouped GEMM.
+"""CPU microbenchmark: the host time offloading adds to a layer, per layer and microbatch.
 
-Each layer has two offload points (``expert_fc1``, ``moe_act``); each point runs a custom autograd Function that
-saves ``--experts`` views of one input storage and as many weight parameters, the pattern of TEGroupedMLP. Steps
-with offloading on and off alternate in one process; the result is the median paired difference per layer and
-microbatch. CPU copies are memcpy, so this measures the runtime's Python and bookkeeping, not a GPU step:
+``--pattern grouped`` (default): each layer has two offload points (``expert_fc1``, ``moe_act``); each point runs a
+custom autograd Function that saves ``--experts`` views of one input storage and as many weight parameters, the
+pattern of TEGroupedMLP. ``--pattern attention``: one ``core_attn`` point per layer whose Function saves q, k and v
+(views of one fused projection's output), its output and a small row statistic, the pattern of TE's fused
+attention (A's ``core_attn``). Steps with offloading on and off alternate in one process; the result is the median
+paired difference per layer and microbatch. CPU copies are memcpy, so this measures the runtime's Python and
+bookkeeping, not a GPU step:
 
-    python benchmarks/cpu_grouped_layer.py [--pairs 400] [--experts 16] [--json-out FILE]
+    python benchmarks/cpu_grouped_layer.py [--pattern attention] [--pairs 400] [--experts 16] [--json-out FILE]
 """
 
 from __future__ import annotations
@@ -44,6 +47,43 @@ def grouped_function(experts: int) -> type[torch.autograd.Function]:
     return Grouped
 
 
+class _Attention(torch.autograd.Function):
+    """Saves what TE's fused attention saves: q, k, v, the output and a small per-row statistic."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = q * k + v
+        ctx.save_for_backward(q, k, v, out, out.sum(-1))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        _ = ctx.saved_tensors
+        return grad, grad, grad
+
+
+class AttentionChunk(torch.nn.Module):
+    def __init__(self, layers: int, width: int) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Parameter(torch.randn(width, 3 * width) / width)
+        self.layers = layers
+
+    def forward(self, x: torch.Tensor, config: SimpleNamespace) -> torch.Tensor:
+        points.begin_chunk(config, None, self)
+        x = x * 1
+        for _ in range(self.layers):
+            x = self.layer(x, config)
+        return x
+
+    def layer(self, x: torch.Tensor, config: SimpleNamespace) -> torch.Tensor:
+        points.layer_boundary(config)
+        qkv = x @ self.qkv
+        with points.offload("core_attn", config, qkv) as h:
+            out = _Attention.apply(*h.chunk(3, dim=-1))
+        out = points.commit("core_attn", config, out)
+        return out + x
+
+
 class ExpertChunk(torch.nn.Module):
     def __init__(self, layers: int, experts: int) -> None:
         super().__init__()
@@ -70,6 +110,7 @@ class ExpertChunk(torch.nn.Module):
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pattern", choices=["grouped", "attention"], default="grouped")
     p.add_argument("--pairs", type=int, default=400)
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--layers", type=int, default=8)
@@ -80,11 +121,17 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("mcore_offload").setLevel(logging.WARNING)  # no per-step summary lines
     torch.set_num_threads(1)
     reset()
-    model = ExpertChunk(args.layers, args.experts)
-    x = torch.randn(args.experts * 8, 8, requires_grad=True)
+    if args.pattern == "grouped":
+        model: torch.nn.Module = ExpertChunk(args.layers, args.experts)
+        x = torch.randn(args.experts * 8, 8, requires_grad=True)
+        modules = ["expert_fc1", "moe_act"]
+    else:
+        model = AttentionChunk(args.layers, 16)
+        x = torch.randn(64, 16, requires_grad=True)
+        modules = ["core_attn"]
 
     def config(on: bool) -> SimpleNamespace:
-        return SimpleNamespace(fine_grained_activation_offloading=on, offload_modules=["expert_fc1", "moe_act"],
+        return SimpleNamespace(fine_grained_activation_offloading=on, offload_modules=modules,
                                min_offloaded_tensor_size=1, recompute_granularity=None, recompute_modules=None)
 
     def step(cfg: SimpleNamespace) -> float:
@@ -107,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     logger.info("last offloading step: %d bytes offloaded, %d skipped (held elsewhere), %d kept on the device",
                 last.total("offloaded"), last.total("skipped_aliased"), last.total("kept_on_device"))
     per = statistics.median(diffs) * 1e6 / (args.layers * args.microbatches)
-    logger.info("added per layer and microbatch: median %.1f us (%d pairs, %d experts)", per, args.pairs, args.experts)
+    logger.info("added per layer and microbatch: median %.1f us (%d pairs, pattern %s, %d experts)", per, args.pairs,
+                args.pattern, args.experts)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"added_us_per_layer_microbatch": per, **vars(args)}, indent=1))
     return 0

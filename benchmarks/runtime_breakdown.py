@@ -29,6 +29,11 @@ TARGETS = [
     ("mcore_offload.runtime.points", "_commit_node", "GroupCommit.apply"),
     ("mcore_offload.runtime.points", "GroupStart.backward"),
     ("mcore_offload.runtime.points", "GroupCommit.backward"),
+    # node hooks (MCORE_OFFLOAD_NODE_HOOKS, the default): the same moments as the identity nodes, same labels
+    ("mcore_offload.runtime.points", "_start_group", "GroupStart.apply"),
+    ("mcore_offload.runtime.points", "_commit_group", "GroupCommit.apply"),
+    ("mcore_offload.runtime.points", "StartHook.__call__", "GroupStart.backward"),
+    ("mcore_offload.runtime.points", "CommitHook.__call__", "GroupCommit.backward"),
     ("mcore_offload.runtime.manager", "OffloadManager.begin_chunk"),
     ("mcore_offload.runtime.manager", "OffloadManager.layer_boundary"),
     ("mcore_offload.runtime.manager", "OffloadManager.handler_for"),

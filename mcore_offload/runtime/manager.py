@@ -1,7 +1,7 @@
 """The step manager: which handler is forwarding, which handlers await backward, and the byte counters.
 
 One handler is created per (model chunk, microbatch) when a training forward of a ``GPTModel`` starts.
-Backward needs no schedule model: every GroupCommit / GroupStart autograd node carries its own handler,
+Backward needs no schedule model: every GroupCommit / GroupStart node (or node hook) carries its own handler,
 so handlers reach backward in exactly the order the schedule (no pipelining, 1F1B or interleaved) runs
 them, whatever the number of microbatches. The manager only decides *when* a handler's last layer is
 flushed: when another chunk's forward or backward comes first, or, where the last step showed that one would,
@@ -105,6 +105,9 @@ class OffloadManager:
         # Consecutive points of one layer share a group (runtime/points.py); MCORE_OFFLOAD_CHAIN_POINTS=0: one
         # group per point, as before (for comparisons)
         self.chaining = os.environ.get("MCORE_OFFLOAD_CHAIN_POINTS", "1") != "0"
+        # MCORE_OFFLOAD_NODE_HOOKS=0: identity autograd nodes at every group's start and commit, as before
+        # (runtime/points.py: NodeHook)
+        self.node_hooks = os.environ.get("MCORE_OFFLOAD_NODE_HOOKS", "1") != "0"
         # (vp_stage, microbatch) of the chunks whose own backward came right after their forward, in the last
         # training step and in this one: a schedule repeats itself, so a chunk not in the last step's set has its
         # last layer flushed as soon as its forward ends (end_chunk), not when the next chunk starts
