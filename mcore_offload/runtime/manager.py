@@ -72,6 +72,21 @@ def _enabled_points_cached(config: Any) -> frozenset[str]:
 
 #: training steps in which a chunk's parameter storages are walked before the set is kept (see begin_chunk)
 PROTECTED_WALKS = 2
+#: layers whose groups leave the device in one copy burst (``MCORE_OFFLOAD_FLUSH_LAYERS``; see layer_boundary)
+DEFAULT_FLUSH_LAYERS = 2
+
+
+def flush_layers_from_env() -> int:
+    """``MCORE_OFFLOAD_FLUSH_LAYERS`` as a positive int (a bad value: one clear sentence)."""
+    raw = os.environ.get("MCORE_OFFLOAD_FLUSH_LAYERS", str(DEFAULT_FLUSH_LAYERS))
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"MCORE_OFFLOAD_FLUSH_LAYERS={raw!r} is not a positive integer; set it to 1 to copy each "
+                         f"layer's groups out at the next layer's start, or N to copy N layers' groups at once")
+    return value
 
 
 def _parameter_storages(model: torch.nn.Module) -> tuple[torch.device | None, set[int]]:
@@ -108,6 +123,9 @@ class OffloadManager:
         # MCORE_OFFLOAD_NODE_HOOKS=0: identity autograd nodes at every group's start and commit, as before
         # (runtime/points.py: NodeHook)
         self.node_hooks = os.environ.get("MCORE_OFFLOAD_NODE_HOOKS", "1") != "0"
+        self.flush_layers = flush_layers_from_env()
+        # vp_stage -> the layers its chunk ran in its last finished forward (layer_boundary aligns bursts to it)
+        self._chunk_layers: dict[int | None, int] = {}
         # (vp_stage, microbatch) of the chunks whose own backward came right after their forward, in the last
         # training step and in this one: a schedule repeats itself, so a chunk not in the last step's set has its
         # last layer flushed as soon as its forward ends (end_chunk), not when the next chunk starts
@@ -229,13 +247,30 @@ class OffloadManager:
             t0 = perf_counter_ns()
             self.close_chain()
             handler.layers += 1
-            handler.flush()
+            if self._flush_due(handler):
+                handler.flush()
             if handler.marks is not None:
                 handler.marks.layer_started(clock_mark(handler.device))
                 if self._peak_reader is not None:
                     live = Counter(h.vp_stage for h in self.handlers if not h.finished)
                     self.auto.peak_check(self._peak_reader(), live)
             self.summary.runtime_ns += perf_counter_ns() - t0
+
+    def _flush_due(self, handler: ChunkOffloadHandler) -> bool:
+        """Whether the layer starting now copies the pending groups out.
+
+        Every copy burst costs the same few CUDA calls (a fence, a cross-stream wait, a done event, a completion
+        query: 8-10 µs of host time each in a launch-bound step) whatever it carries, so ``flush_layers`` layers
+        share one. The bursts are aligned to the chunk's end, known from its last forward: the last two layers
+        flush at their own start, so what is still in flight when the forward ends is one layer's groups, as with
+        one burst per layer, and the output layer and the loss (often the step's peak) find the memory back. The
+        first forward of a chunk, and the auto probe's measured step, flush every layer.
+        """
+        k = self.flush_layers
+        expected = self._chunk_layers.get(handler.vp_stage)
+        if k == 1 or expected is None or handler.marks is not None or handler.layers >= expected - 1:
+            return True
+        return (expected - 1 - handler.layers) % k == 0
 
     def point_saved_nothing(self, name: str, rejected: dict[str, int]) -> None:
         """Point ``name``'s block ended without a tensor to offload (``rejected``: why its saved tensors stay)."""
@@ -279,9 +314,11 @@ class OffloadManager:
             handler.transport.release_copied(final=True)
         self._forward_ended(handler)
 
-    @staticmethod
-    def _forward_ended(handler: ChunkOffloadHandler) -> None:
-        """The auto probe's end mark of a chunk's forward (the first of: next chunk starts, its backward)."""
+    def _forward_ended(self, handler: ChunkOffloadHandler) -> None:
+        """A chunk's forward ended (the first of: next chunk starts, its backward): its layer count for the next
+        forward's bursts, and the auto probe's end mark."""
+        if handler.layers:
+            self._chunk_layers[handler.vp_stage] = handler.layers
         if handler.marks is not None and handler.marks.end is None:
             handler.marks.end = clock_mark(handler.device)
 

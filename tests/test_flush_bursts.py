@@ -1,0 +1,128 @@
+"""Copy bursts spanning several layers (``MCORE_OFFLOAD_FLUSH_LAYERS``) and group starts/commits as node hooks
+(``MCORE_OFFLOAD_NODE_HOOKS``): same values, same bytes, fewer bursts and nodes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_runtime_unit import Toy, cfg, train_step
+
+from mcore_offload.runtime import manager as manager_module
+from mcore_offload.runtime import transport as transport_module
+from mcore_offload.runtime.manager import flush_layers_from_env, get_manager
+from mcore_offload.summary import get_summary
+
+
+def _run(names, layers, steps=3, microbatches=2):
+    """Losses and gradients per step, and the D2H bursts per step (the CPU transport's to_host calls)."""
+    model = Toy(cfg(*names), layers=layers)
+    bursts: list[int] = []
+    real = transport_module.Transport.to_host
+
+    def counted(self, *args, **kwargs):
+        bursts[-1] += 1
+        return real(self, *args, **kwargs)
+
+    results = []
+    transport_module.Transport.to_host = counted
+    try:
+        for step in range(steps):
+            bursts.append(0)
+            model.zero_grad()
+            inputs = [torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * step + i))
+                      for i in range(microbatches)]
+            losses = train_step(model, inputs)
+            results.append((losses, [p.grad.clone() for p in model.parameters()]))
+    finally:
+        transport_module.Transport.to_host = real
+    return results, bursts
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_bursts_span_k_layers_aligned_to_the_chunk_end_with_equal_values_and_bytes(monkeypatch, k):
+    monkeypatch.setenv("MCORE_OFFLOAD_FLUSH_LAYERS", str(k))
+    base, _ = _run([], layers=7)
+    manager_module.reset()
+    got, bursts = _run(["core_attn"], layers=7)
+    for (l0, g0), (l1, g1) in zip(base, got):
+        assert all(torch.equal(a, b) for a, b in zip(l0, l1))
+        assert all(torch.equal(a, b) for a, b in zip(g0, g1))
+    steps = get_summary().steps
+    # every step offloads the same bytes, and only the last layer stays on the device
+    assert len({s.total("offloaded") for s in steps}) == 1 and steps[0].total("offloaded") > 0
+    assert len({s.total("kept_on_device") for s in steps}) == 1
+    # step 0, first microbatch: one burst per layer (the chunk's length is not known yet); every later forward:
+    # bursts at layers i = 5 and 6 (the last two) and every k-th layer below 5, each taking what is pending
+    later = len({i for i in range(1, 7) if i >= 5 or (5 - i) % k == 0})
+    assert bursts[0] == 6 + later
+    assert bursts[1:] == [2 * later, 2 * later]
+    if k > 1:
+        assert later < 6
+
+
+def test_the_last_burst_of_a_forward_carries_one_layer(monkeypatch):
+    """What is still copying when the forward ends is one layer's groups, as with one burst per layer."""
+    monkeypatch.setenv("MCORE_OFFLOAD_FLUSH_LAYERS", "4")
+    sizes: list[int] = []
+    real = transport_module.Transport.to_host
+
+    def recorded(self, storages, *args, **kwargs):
+        sizes.append(len(storages))
+        return real(self, storages, *args, **kwargs)
+
+    monkeypatch.setattr(transport_module.Transport, "to_host", recorded)
+    model = Toy(cfg("core_attn"), layers=8)
+    for _ in range(2):
+        train_step(model, [torch.randn(8, 16)])
+    # second step: bursts at layers 2 (layers 0-1), 6 (layers 2-5) and 7 (layer 6): the last carries one layer
+    per_layer = sizes[0]
+    assert sizes[7:] == [2 * per_layer, 4 * per_layer, per_layer]
+
+
+@pytest.mark.parametrize("raw", ["0", "-1", "two"])
+def test_a_bad_flush_layers_value_is_one_clear_sentence(monkeypatch, raw):
+    monkeypatch.setenv("MCORE_OFFLOAD_FLUSH_LAYERS", raw)
+    with pytest.raises(ValueError, match=r"MCORE_OFFLOAD_FLUSH_LAYERS=.* is not a positive integer; set it to 1"):
+        flush_layers_from_env()
+
+
+@pytest.mark.parametrize("hooks", ["0", "1"])
+def test_node_hooks_and_identity_nodes_give_the_same_values_and_bytes(monkeypatch, hooks):
+    monkeypatch.setenv("MCORE_OFFLOAD_NODE_HOOKS", hooks)
+    base, _ = _run([], layers=4, steps=2)
+    manager_module.reset()
+    got, _ = _run(["qkv_linear", "core_attn", "attn_proj"], layers=4, steps=2)
+    for (l0, g0), (l1, g1) in zip(base, got):
+        assert all(torch.equal(a, b) for a, b in zip(l0, l1))
+        assert all(torch.equal(a, b) for a, b in zip(g0, g1))
+    last = get_summary().last_step
+    assert last.total("offloaded") > 0 and last.total("reloaded") == last.total("offloaded")
+    assert get_manager().node_hooks is (hooks == "1")
+    assert not get_manager().handlers and get_summary().host_resident_bytes == 0
+
+
+def test_node_hooks_add_no_autograd_node(monkeypatch):
+    """With node hooks the graph is the plain model's: no identity node per group start or commit."""
+
+    def graph_size(loss):
+        seen, todo = set(), [loss.grad_fn]
+        while todo:
+            node = todo.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            todo.extend(n for n, _ in node.next_functions)
+        return len(seen)
+
+    x = torch.randn(8, 16)
+    sizes = {}
+    for hooks in ("1", "0"):
+        monkeypatch.setenv("MCORE_OFFLOAD_NODE_HOOKS", hooks)
+        manager_module.reset()
+        model = Toy(cfg("core_attn"), layers=3)
+        loss = model(x)
+        sizes[hooks] = graph_size(loss)
+        loss.backward()
+    plain = graph_size(Toy(cfg(), layers=3)(x))
+    assert sizes["1"] == plain
+    assert sizes["0"] == plain + 2 * 3  # a start and a commit node per layer
