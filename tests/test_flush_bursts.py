@@ -1,5 +1,6 @@
-"""Copy bursts spanning several layers (``MCORE_OFFLOAD_FLUSH_LAYERS``) and group starts/commits as node hooks
-(``MCORE_OFFLOAD_NODE_HOOKS``): same values, same bytes, fewer bursts and nodes."""
+"""Fewer host calls per offloaded group: copy bursts spanning several layers (``MCORE_OFFLOAD_FLUSH_LAYERS``), group
+starts/commits as node hooks (``MCORE_OFFLOAD_NODE_HOOKS``), no wait on a D2H already seen complete. Same values,
+same bytes."""
 
 from __future__ import annotations
 
@@ -126,3 +127,43 @@ def test_node_hooks_add_no_autograd_node(monkeypatch):
     plain = graph_size(Toy(cfg(), layers=3)(x))
     assert sizes["1"] == plain
     assert sizes["0"] == plain + 2 * 3  # a start and a commit node per layer
+
+
+class _FakeRuntime:
+    """The CUDA runtime calls RawCudaTransport.to_device makes, recorded (stream_wait: which events)."""
+
+    def __init__(self):
+        self.waits, self.copies = [], 0
+
+    def event_record(self, event, stream):
+        return 0
+
+    def stream_wait(self, stream, event, flags):
+        self.waits.append(event)
+        return 0
+
+    def memcpy(self, dst, src, n, kind, stream):
+        self.copies += 1
+        return 0
+
+
+def test_a_reload_waits_only_on_d2h_bursts_not_yet_seen_complete():
+    from collections import deque
+    from types import SimpleNamespace
+
+    from mcore_offload.runtime.telemetry import LinkTelemetry
+    from mcore_offload.runtime.transport import RawCudaTransport
+
+    t = object.__new__(RawCudaTransport)  # no CUDA here: only what to_device touches
+    t.rt = _FakeRuntime()
+    t._held = deque()
+    t._h2d_handle, t._h2d_fence = "h2d", SimpleNamespace(handle="fence")
+    t.telemetry = LinkTelemetry(None)
+    t._compute_handle = lambda: "compute"
+    t._done_event = lambda: SimpleNamespace(handle="done")
+    seen, unseen = SimpleNamespace(handle="seen", seen_done=True), SimpleNamespace(handle="unseen", seen_done=False)
+    hosts = [torch.zeros(4, dtype=torch.uint8) for _ in range(3)]
+    storages, _ = t.to_device(hosts, [4, 4, 4], [seen, unseen, unseen], torch.device("cpu"))
+    assert len(storages) == 3 and t.rt.copies == 3
+    # the fence, then the one D2H burst not yet seen complete (once for its two storages)
+    assert t.rt.waits == ["fence", "unseen"]

@@ -430,6 +430,7 @@ class _Burst:
     def __init__(self, done):
         self.done = done
         self.queries = 0
+        self.seen_done = False
 
     def query(self):
         self.queries += 1
@@ -456,6 +457,8 @@ def test_copied_blocks_are_let_go_in_burst_order_and_the_rest_handed_to_the_allo
     # the first burst finished: gone; the second has not, and the third waits behind it (one query per burst)
     assert [b for b, _ in t._held] == bursts[1:]
     assert [b.queries for b in bursts] == [1, 1, 0]
+    # the burst seen complete is marked: its reloads need not wait on it
+    assert [b.seen_done for b in bursts] == [True, False, False]
     assert all(not h.streams for ts in tensors for h in ts)
     CudaTransport.release_copied(t, final=True)
     assert not t._held
