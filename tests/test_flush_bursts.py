@@ -132,6 +132,8 @@ def test_node_hooks_add_no_autograd_node(monkeypatch):
 class _FakeRuntime:
     """The CUDA runtime calls RawCudaTransport.to_device makes, recorded (stream_wait: which events)."""
 
+    memcpy_batch = None  # copies one by one
+
     def __init__(self):
         self.waits, self.copies = [], 0
 
@@ -167,3 +169,34 @@ def test_a_reload_waits_only_on_d2h_bursts_not_yet_seen_complete():
     assert len(storages) == 3 and t.rt.copies == 3
     # the fence, then the one D2H burst not yet seen complete (once for its two storages)
     assert t.rt.waits == ["fence", "unseen"]
+    # with the batch entry point, the burst's three copies are one call
+    batches = []
+    t.rt.memcpy_batch = True
+    t.rt.memcpy_many = lambda dsts, srcs, sizes, stream: batches.append((len(dsts), sizes, stream)) or 0
+    t.to_device(hosts, [4, 4, 4], [seen], torch.device("cpu"))
+    assert batches == [(3, [4, 4, 4], "h2d")] and t.rt.copies == 3
+
+
+def test_batch_copy_passes_every_pointer_size_and_the_stream_order_attribute():
+    """memcpy_many's ctypes arguments, read back by a C-callable stand-in for cudaMemcpyBatchAsync."""
+    import ctypes
+
+    from mcore_offload.runtime import cudart
+
+    seen = {}
+
+    def fake(dsts, srcs, sizes, count, attrs, attr_index, num_attrs, stream):
+        seen.update(dsts=[dsts[i] for i in range(count)], srcs=[srcs[i] for i in range(count)],
+                    sizes=[sizes[i] for i in range(count)], order=attrs.contents.src_access_order,
+                    index=attr_index[0], num_attrs=num_attrs, stream=stream)
+        return 0
+
+    callback = ctypes.CFUNCTYPE(ctypes.c_int, *cudart.BATCH_ARGTYPES)(fake)
+    rt = object.__new__(cudart.CudaRuntime)
+    rt.memcpy_batch = callback
+    rt._batch_attrs = cudart.MemcpyAttributes(cudart.MEMCPY_SRC_ACCESS_ORDER_STREAM)
+    rt._batch_attr_index = (ctypes.c_size_t * 1)(0)
+    assert rt.memcpy_many([0x1000, 0x2000], [0x3000, 0x4000], [16, 1 << 33], 0x77) == 0
+    assert seen == {"dsts": [0x1000, 0x2000], "srcs": [0x3000, 0x4000], "sizes": [16, 1 << 33], "order": 1,
+                    "index": 0, "num_attrs": 1, "stream": 0x77}
+    assert ctypes.sizeof(cudart.MemcpyAttributes) == 24  # the C struct's size (enum, two locations, flags)

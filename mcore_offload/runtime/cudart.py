@@ -33,6 +33,25 @@ EVENT_BLOCKING_SYNC = 1  # cudaEventBlockingSync: a synchronize on it sleeps ins
 EVENT_DISABLE_TIMING = 2  # cudaEventDisableTiming
 
 MemcpyAsync = Callable[[int, int, int, int, int], None]
+MEMCPY_SRC_ACCESS_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream: sources are read in stream order
+BATCH_COPY_MIN_VERSION = 13000  # CUDA 12.8-12.9 have cudaMemcpyBatchAsync with one more argument (failIdx)
+
+
+class MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class MemcpyAttributes(ctypes.Structure):
+    """``struct cudaMemcpyAttributes`` (CUDA 13 ``driver_types.h``)."""
+
+    _fields_ = [("src_access_order", ctypes.c_int), ("src_loc_hint", MemLocation), ("dst_loc_hint", MemLocation),
+                ("flags", ctypes.c_uint)]
+
+
+#: cudaMemcpyBatchAsync(dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, stream), CUDA 13
+BATCH_ARGTYPES = (ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t),
+                  ctypes.c_size_t, ctypes.POINTER(MemcpyAttributes), ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t,
+                  ctypes.c_void_p)
 
 
 def mapped_cudart(maps_text: str) -> str | None:
@@ -139,6 +158,18 @@ class CudaRuntime:
         self.event_query = bind("cudaEventQuery", vp)
         self.event_synchronize = bind("cudaEventSynchronize", vp)
         self.event_elapsed = bind("cudaEventElapsedTime", ctypes.POINTER(ctypes.c_float), vp, vp)
+        # cudaMemcpyBatchAsync (CUDA >= 13): one call for a burst's copies instead of one per storage; None where
+        # the mapped runtime is older or lacks it (the transport then copies one by one)
+        self.memcpy_batch: Any = None
+        version = ctypes.c_int(0)
+        get_version = getattr(lib, "cudaRuntimeGetVersion", None)
+        if (os.environ.get("MCORE_OFFLOAD_BATCH_COPY", "1") != "0" and hasattr(lib, "cudaMemcpyBatchAsync")
+                and get_version is not None and get_version(ctypes.byref(version)) == 0
+                and version.value >= BATCH_COPY_MIN_VERSION):
+            self.memcpy_batch = bind("cudaMemcpyBatchAsync", *BATCH_ARGTYPES)
+        self.version = version.value
+        self._batch_attrs = MemcpyAttributes(MEMCPY_SRC_ACCESS_ORDER_STREAM)  # one attribute for every copy
+        self._batch_attr_index = (ctypes.c_size_t * 1)(0)
         self._error_string = lib.cudaGetErrorString
         self._error_string.argtypes, self._error_string.restype = [i], ctypes.c_char_p
         self._lib = lib
@@ -154,6 +185,14 @@ class CudaRuntime:
     def fail(self, what: str, err: int) -> None:
         raise RuntimeError(f"{what} failed: {self.error_string(err)}; "
                            f"set MCORE_OFFLOAD_RAW_COPY=0 to use PyTorch's copies and events instead")
+
+    def memcpy_many(self, dsts: list[int], srcs: list[int], sizes: list[int], stream: int) -> int:
+        """One ``cudaMemcpyBatchAsync`` for every copy (host and device pointers, any direction, sources read in
+        stream order); the CUDA error code. Only where :attr:`memcpy_batch` is set."""
+        n = len(dsts)
+        ptrs = ctypes.c_void_p * n
+        return self.memcpy_batch(ptrs(*dsts), ptrs(*srcs), (ctypes.c_size_t * n)(*sizes), n,
+                                 ctypes.byref(self._batch_attrs), self._batch_attr_index, 1, stream)
 
     def memcpy_async(self, dst: int, src: int, nbytes: int, kind: int, stream: int) -> None:
         err = self.memcpy(dst, src, nbytes, kind, stream)

@@ -396,6 +396,22 @@ class RawCudaTransport(CudaTransport):
         self._h2d_fence = EventPool(runtime, self.device_index, timed=False).get()
         self._d2h_handle = self.d2h_stream.cuda_stream
         self._h2d_handle = self.h2d_stream.cuda_stream
+        if runtime.memcpy_batch is not None and not self._batch_copy_works():
+            runtime.memcpy_batch = None
+
+    def _batch_copy_works(self) -> bool:
+        """Check ``cudaMemcpyBatchAsync`` once, on this device, before any burst relies on it (a copy of known bytes
+        out and back in; synchronous, at construction only)."""
+        src = torch.arange(64, dtype=torch.uint8, device=self.device)
+        host = [torch.zeros(32, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        err = self.rt.memcpy_many([h.data_ptr() for h in host], [src.data_ptr(), src.data_ptr() + 32], [32, 32],
+                                  self._d2h_handle)
+        self.d2h_stream.synchronize()
+        ok = not err and torch.equal(torch.cat(host), src.cpu())
+        if not ok:
+            logger.info("cudaMemcpyBatchAsync did not copy correctly here (%s): bursts copy storage by storage",
+                        self.rt.error_string(err) if err else "wrong bytes")
+        return ok
 
     def _done_event(self) -> RawEvent:
         """The event a burst's readers wait on; also the telemetry's end mark (always timed here: a timed event
@@ -433,10 +449,15 @@ class RawCudaTransport(CudaTransport):
         if err:
             rt.fail("cudaEventRecord/cudaStreamWaitEvent", err)
         start = self.telemetry.mark(d2h)
-        for storage, buf, n in zip(storages, bufs, sizes):
-            err = memcpy(buf.data_ptr(), storage.data_ptr(), n, DEVICE_TO_HOST, d2h)
+        if rt.memcpy_batch is not None and len(bufs) > 1:  # one call for the burst
+            err = rt.memcpy_many([b.data_ptr() for b in bufs], [s.data_ptr() for s in storages], sizes, d2h)
             if err:
-                rt.fail("cudaMemcpyAsync", err)
+                rt.fail("cudaMemcpyBatchAsync", err)
+        else:
+            for storage, buf, n in zip(storages, bufs, sizes):
+                err = memcpy(buf.data_ptr(), storage.data_ptr(), n, DEVICE_TO_HOST, d2h)
+                if err:
+                    rt.fail("cudaMemcpyAsync", err)
         done = self._done_event()
         err = record(done.handle, d2h)
         if err:
@@ -466,10 +487,15 @@ class RawCudaTransport(CudaTransport):
         if err:
             rt.fail("cudaEventRecord/cudaStreamWaitEvent", err)
         start = self.telemetry.mark(h2d)
-        for dst, host, n in zip(out, hosts, sizes):
-            err = memcpy(dst.data_ptr(), host.data_ptr(), n, HOST_TO_DEVICE, h2d)
+        if rt.memcpy_batch is not None and len(out) > 1:  # one call for the burst
+            err = rt.memcpy_many([d.data_ptr() for d in out], [h.data_ptr() for h in hosts], sizes, h2d)
             if err:
-                rt.fail("cudaMemcpyAsync", err)
+                rt.fail("cudaMemcpyBatchAsync", err)
+        else:
+            for dst, host, n in zip(out, hosts, sizes):
+                err = memcpy(dst.data_ptr(), host.data_ptr(), n, HOST_TO_DEVICE, h2d)
+                if err:
+                    rt.fail("cudaMemcpyAsync", err)
         done = self._done_event()
         err = record(done.handle, h2d)
         if err:
