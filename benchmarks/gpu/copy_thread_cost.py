@@ -33,6 +33,9 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=300)
     p.add_argument("--small", type=int, default=60, help="tiny kernels per layer")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--variants", default="none inline thread thread_spin thread_noreap",
+                   help="of: none inline inline_batch thread thread_spin thread_noreap (inline_batch: each burst's "
+                        "copies as one cudaMemcpyBatchAsync)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
@@ -64,20 +67,26 @@ def main() -> None:
         for _ in range(4):
             torch.mm(a, b)
 
-    def burst_inline() -> None:
+    def burst_inline(batch: bool = False) -> None:
         rec, wait, cp = rt.event_record, rt.stream_wait, rt.memcpy
         c = compute()
         rec(fence_d.handle, c)
         wait(d2h_h, fence_d.handle, 0)
-        for s, h in zip(srcs, hosts):
-            cp(h.data_ptr(), s.data_ptr(), nbytes, DEVICE_TO_HOST, d2h_h)
+        if batch:
+            rt.memcpy_many([h.data_ptr() for h in hosts], [s.data_ptr() for s in srcs], [nbytes] * 3, d2h_h)
+        else:
+            for s, h in zip(srcs, hosts):
+                cp(h.data_ptr(), s.data_ptr(), nbytes, DEVICE_TO_HOST, d2h_h)
         done = pool.get()
         rec(done.handle, d2h_h)
         rec(fence_h.handle, c)
         wait(h2d_h, fence_h.handle, 0)
         wait(h2d_h, done.handle, 0)
-        for d, h in zip(dsts, hosts):
-            cp(d.data_ptr(), h.data_ptr(), nbytes, HOST_TO_DEVICE, h2d_h)
+        if batch:
+            rt.memcpy_many([d.data_ptr() for d in dsts], [h.data_ptr() for h in hosts], [nbytes] * 3, h2d_h)
+        else:
+            for d, h in zip(dsts, hosts):
+                cp(d.data_ptr(), h.data_ptr(), nbytes, HOST_TO_DEVICE, h2d_h)
         back = pool.get()
         rec(back.handle, h2d_h)
         wait(c, back.handle, 0)
@@ -111,8 +120,8 @@ def main() -> None:
         t0 = time.perf_counter()
         for _ in range(args.layers):
             layer_work()
-            if variant == "inline":
-                burst_inline()
+            if variant in ("inline", "inline_batch"):
+                burst_inline(batch=variant == "inline_batch")
                 layer_work()
             elif variant == "thread":
                 burst_thread()
@@ -127,7 +136,9 @@ def main() -> None:
         torch.cuda.synchronize()
         return host / args.layers * 1e6
 
-    variants = ("none", "inline", "thread", "thread_spin", "thread_noreap")
+    variants = tuple(args.variants.split())
+    assert variants[0] == "none", "the first variant is the reference: none"
+    assert "inline_batch" not in variants or rt.memcpy_batch is not None, "no cudaMemcpyBatchAsync (CUDA < 13)"
     for v in variants:  # warm-up
         run(v)
     res: dict[str, list[float]] = {v: [] for v in variants}
