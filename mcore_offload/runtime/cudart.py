@@ -158,12 +158,13 @@ class CudaRuntime:
         self.event_query = bind("cudaEventQuery", vp)
         self.event_synchronize = bind("cudaEventSynchronize", vp)
         self.event_elapsed = bind("cudaEventElapsedTime", ctypes.POINTER(ctypes.c_float), vp, vp)
-        # cudaMemcpyBatchAsync (CUDA >= 13): one call for a burst's copies instead of one per storage; None where
-        # the mapped runtime is older or lacks it (the transport then copies one by one)
+        # cudaMemcpyBatchAsync (CUDA >= 13): one call for a burst's copies instead of one per storage. Opt-in
+        # (MCORE_OFFLOAD_BATCH_COPY=1): on the H100 host it cost more host time than three cudaMemcpyAsync
+        # (session 13, copy_thread_cost.py inline_batch: 113 against 96 µs per layer's two bursts). None: one by one.
         self.memcpy_batch: Any = None
         version = ctypes.c_int(0)
         get_version = getattr(lib, "cudaRuntimeGetVersion", None)
-        if (os.environ.get("MCORE_OFFLOAD_BATCH_COPY", "1") != "0" and hasattr(lib, "cudaMemcpyBatchAsync")
+        if (os.environ.get("MCORE_OFFLOAD_BATCH_COPY", "0") == "1" and hasattr(lib, "cudaMemcpyBatchAsync")
                 and get_version is not None and get_version(ctypes.byref(version)) == 0
                 and version.value >= BATCH_COPY_MIN_VERSION):
             self.memcpy_batch = bind("cudaMemcpyBatchAsync", *BATCH_ARGTYPES)
