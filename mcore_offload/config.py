@@ -7,6 +7,7 @@ unchanged. The patched ``TransformerConfig.__post_init__`` calls :func:`validate
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -180,3 +181,16 @@ def validate_offload_config(config: Any) -> None:
     from mcore_offload.patching.sites import ensure_patched
 
     ensure_patched()
+
+
+def positive_int_env(name: str, default: int, advice: str) -> int:
+    """Environment variable ``name`` as a positive int (``default`` when unset); a bad value is one clear sentence
+    ending with ``advice`` (what to set instead)."""
+    raw = os.environ.get(name, str(default))
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{name}={raw!r} is not a positive integer; {advice}")
+    return value

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from mcore_offload.config import OFFLOAD_MODULES, recompute_conflicts, selectively_recomputed
+from mcore_offload.config import OFFLOAD_MODULES, positive_int_env, recompute_conflicts, selectively_recomputed
 from mcore_offload.runtime.auto import AUTO, AutoPlanner, Plan, clock_mark, elapsed_ms, parse_auto
 from mcore_offload.runtime.handler import ChunkOffloadHandler, Entry, Group
 from mcore_offload.runtime.transport import reset_transports, settle_pools
@@ -78,15 +78,9 @@ DEFAULT_FLUSH_LAYERS = 2
 
 def flush_layers_from_env() -> int:
     """``MCORE_OFFLOAD_FLUSH_LAYERS`` as a positive int (a bad value: one clear sentence)."""
-    raw = os.environ.get("MCORE_OFFLOAD_FLUSH_LAYERS", str(DEFAULT_FLUSH_LAYERS))
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"MCORE_OFFLOAD_FLUSH_LAYERS={raw!r} is not a positive integer; set it to 1 to copy each "
-                         f"layer's groups out at the next layer's start, or N to copy N layers' groups at once")
-    return value
+    return positive_int_env("MCORE_OFFLOAD_FLUSH_LAYERS", DEFAULT_FLUSH_LAYERS,
+                            "set it to 1 to copy each layer's groups out at the next layer's start, or N to copy "
+                            "N layers' groups at once")
 
 
 def _parameter_storages(model: torch.nn.Module) -> tuple[torch.device | None, set[int]]:

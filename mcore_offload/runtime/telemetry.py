@@ -21,10 +21,11 @@ timed (the manager forces it).
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from mcore_offload.config import positive_int_env
 
 logger = logging.getLogger(__name__)
 
@@ -34,15 +35,8 @@ DEFAULT_EVERY = 4
 
 def every_from_env() -> int:
     """``MCORE_OFFLOAD_TELEMETRY_EVERY`` as a positive int (a bad value: one clear sentence)."""
-    raw = os.environ.get("MCORE_OFFLOAD_TELEMETRY_EVERY", str(DEFAULT_EVERY))
-    try:
-        every = int(raw)
-    except ValueError:
-        every = 0
-    if every < 1:
-        raise ValueError(f"MCORE_OFFLOAD_TELEMETRY_EVERY={raw!r} is not a positive integer; set it to 1 to time "
-                         f"every step, or N to time every N-th step")
-    return every
+    return positive_int_env("MCORE_OFFLOAD_TELEMETRY_EVERY", DEFAULT_EVERY,
+                            "set it to 1 to time every step, or N to time every N-th step")
 
 
 @dataclass
