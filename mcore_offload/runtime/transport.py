@@ -426,7 +426,7 @@ class RawCudaTransport(CudaTransport):
     def to_host(self, storages, keep_alive, routed):
         self.release_copied()
         rt = self.rt
-        record, stream_wait, memcpy = rt.event_record, rt.stream_wait, rt.memcpy
+        record, stream_wait = rt.event_record, rt.stream_wait
         d2h = self._d2h_handle
         fence = self._d2h_fence.handle
         # The saved tensors were produced on the compute stream: copy only after it reached this point.
@@ -449,19 +449,7 @@ class RawCudaTransport(CudaTransport):
         if err:
             rt.fail("cudaEventRecord/cudaStreamWaitEvent", err)
         start = self.telemetry.mark(d2h)
-        if rt.memcpy_batch is not None and len(bufs) > 1:  # one call for the burst
-            err = rt.memcpy_many([b.data_ptr() for b in bufs], [s.data_ptr() for s in storages], sizes, d2h)
-            if err:
-                rt.fail("cudaMemcpyBatchAsync", err)
-        else:
-            for storage, buf, n in zip(storages, bufs, sizes):
-                err = memcpy(buf.data_ptr(), storage.data_ptr(), n, DEVICE_TO_HOST, d2h)
-                if err:
-                    rt.fail("cudaMemcpyAsync", err)
-        done = self._done_event()
-        err = record(done.handle, d2h)
-        if err:
-            rt.fail("cudaEventRecord", err)
+        done = self._copy_burst(bufs, storages, sizes, DEVICE_TO_HOST, d2h)
         # The caching allocator must not hand these blocks out before the copy has read them (release_copied).
         self._held.append((done, keep_alive))
         self.telemetry.span("d2h", start, done, nbytes, keep_end=True)
@@ -470,7 +458,7 @@ class RawCudaTransport(CudaTransport):
     def to_device(self, hosts, sizes, after, device):
         self.release_copied()
         rt = self.rt
-        record, stream_wait, memcpy = rt.event_record, rt.stream_wait, rt.memcpy
+        record, stream_wait = rt.event_record, rt.stream_wait
         h2d = self._h2d_handle
         # Allocated on the compute stream, which is the stream that consumes and later frees them.
         out = [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
@@ -487,21 +475,29 @@ class RawCudaTransport(CudaTransport):
         if err:
             rt.fail("cudaEventRecord/cudaStreamWaitEvent", err)
         start = self.telemetry.mark(h2d)
-        if rt.memcpy_batch is not None and len(out) > 1:  # one call for the burst
-            err = rt.memcpy_many([d.data_ptr() for d in out], [h.data_ptr() for h in hosts], sizes, h2d)
+        done = self._copy_burst(out, hosts, sizes, HOST_TO_DEVICE, h2d)
+        self.telemetry.span("h2d", start, done, sum(sizes), keep_end=True)
+        return [dst.untyped_storage() for dst in out], done
+
+    def _copy_burst(self, dsts: list, srcs: list, sizes: list[int], kind: int, stream: int) -> RawEvent:
+        """Copy the first ``sizes[i]`` bytes of ``srcs[i]`` to ``dsts[i]`` (tensors or storages) on ``stream``, then
+        record the burst's done event there and return it."""
+        rt = self.rt
+        if rt.memcpy_batch is not None and len(dsts) > 1:  # one call for the burst
+            err = rt.memcpy_many([d.data_ptr() for d in dsts], [s.data_ptr() for s in srcs], sizes, stream)
             if err:
                 rt.fail("cudaMemcpyBatchAsync", err)
         else:
-            for dst, host, n in zip(out, hosts, sizes):
-                err = memcpy(dst.data_ptr(), host.data_ptr(), n, HOST_TO_DEVICE, h2d)
+            memcpy = rt.memcpy
+            for dst, src, n in zip(dsts, srcs, sizes):
+                err = memcpy(dst.data_ptr(), src.data_ptr(), n, kind, stream)
                 if err:
                     rt.fail("cudaMemcpyAsync", err)
         done = self._done_event()
-        err = record(done.handle, h2d)
+        err = rt.event_record(done.handle, stream)
         if err:
             rt.fail("cudaEventRecord", err)
-        self.telemetry.span("h2d", start, done, sum(sizes), keep_end=True)
-        return [dst.untyped_storage() for dst in out], done
+        return done
 
     def wait(self, event):
         if event is not None:
