@@ -98,6 +98,10 @@ def parse_args(argv=None) -> argparse.Namespace:
       help="every other step, spin FWD us at each transformer layer's forward and BWD us at its backward "
            "(benchmarks/host_delay.py): the paired overhead over the delay is the host time the step exposes; "
            "JSON 'alternation' and 'host_delay'")
+    a("--dma-load-mib", type=float, nargs=2, default=None, metavar=("FWD", "BWD"),
+      help="no offloading; every other step, copy FWD MiB device-to-host at each transformer layer's forward and "
+           "BWD MiB host-to-device at its backward, on side streams, into buffers nothing reads "
+           "(benchmarks/dma_load.py): the paired overhead is what the link traffic alone costs; JSON 'dma_load'")
     a("--time-syncs", action="store_true",
       help="host time blocked in Tensor.cpu/.item/.tolist of CUDA tensors and in Event/Stream.synchronize per step "
            "(benchmarks/sync_wait.py); JSON 'sync_wait'")
@@ -110,8 +114,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--json-out", default=None, help="write every rank's results here (rank 0)")
     a("--label", default="", help="free text stored in the JSON")
     args = p.parse_args(argv)
-    if args.alternate_offload and args.host_delay_us:
-        p.error("--host-delay-us alternates delayed and plain steps itself: drop --alternate-offload")
+    if sum(map(bool, (args.alternate_offload, args.host_delay_us, args.dma_load_mib))) > 1:
+        p.error("--alternate-offload, --host-delay-us and --dma-load-mib each alternate steps themselves: "
+                "use one of them per run")
+    if args.dma_load_mib and args.fine_grained_activation_offloading:
+        p.error("--dma-load-mib measures the copies without the offload runtime: drop "
+                "--fine-grained-activation-offloading")
     if args.alternate_offload and not args.fine_grained_activation_offloading:
         p.error("--alternate-offload compares offloaded with plain steps: add --fine-grained-activation-offloading "
                 "and --offload-modules")
@@ -353,7 +361,7 @@ def main(argv=None) -> int:
     elif args.alternate_offload:
         raise SystemExit("--alternate-offload needs ours (megatron-core 0.15.x patched by mcore-offload); "
                          "drop it for native runs on megatron-core 0.16")
-    alternate = args.alternate_offload or bool(args.host_delay_us)
+    alternate = args.alternate_offload or bool(args.host_delay_us) or bool(args.dma_load_mib)
     config = build_config(args)
     chunks = build_model(args, config)
     delay = None
@@ -361,6 +369,11 @@ def main(argv=None) -> int:
         from host_delay import HostDelay
 
         delay = HostDelay(*args.host_delay_us)
+        delay.install(chunks)
+    elif args.dma_load_mib:
+        from dma_load import DmaLoad
+
+        delay = DmaLoad(*args.dma_load_mib, device)
         delay.install(chunks)
     syncs = None
     if args.time_syncs:
@@ -482,6 +495,7 @@ def main(argv=None) -> int:
     timed = step_ms[args.warmup_steps:] or step_ms
     row = {
         "rank": rank, "label": args.label, "impl_version": mc.__version__,
+        "runtime_env": {k: v for k, v in os.environ.items() if k.startswith("MCORE_OFFLOAD_")},
         "losses": losses, "loss_hex": [None if x is None else float(x).hex() for x in losses],
         "step_ms": step_ms, "step_ms_median": statistics.median(timed), "timed_steps": len(timed),
         "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
@@ -530,10 +544,10 @@ def main(argv=None) -> int:
         row["alternation"]["on_steps"] = on_steps
         row["alternation"]["step_peaks"] = step_peaks
         if delay is not None:
-            row["host_delay"] = delay.as_dict(sum(on_steps))
+            row["dma_load" if args.dma_load_mib else "host_delay"] = delay.as_dict(sum(on_steps))
         logger.info("rank %d alternating steps: %s %s", rank,
                     {k: v for k, v in row["alternation"].items() if k not in ("on_steps", "step_peaks")},
-                    row.get("host_delay", ""))
+                    row.get("host_delay", row.get("dma_load", "")))
     rows = [None] * world
     dist.all_gather_object(rows, row)
     if rank == 0 and args.json_out:

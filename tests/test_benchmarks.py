@@ -246,7 +246,17 @@ def test_pretrain_gpt_host_delay_spins_every_layer_of_every_other_step_and_keeps
     assert "host_delay" not in plain
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pretrain_gpt.py"), "--alternate-offload",
                            "--host-delay-us", "1", "1"], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "drop --alternate-offload" in proc.stderr
+    assert proc.returncode == 2 and "use one of them per run" in proc.stderr
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--host-delay-us", "1", "1"], "use one of them per run"),
+    (["--fine-grained-activation-offloading"], "drop --fine-grained-activation-offloading"),
+])
+def test_pretrain_gpt_dma_load_refuses_other_alternations_and_offloading(extra, says):
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pretrain_gpt.py"), "--dma-load-mib", "1", "1",
+                           *extra], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and says in proc.stderr
 
 
 def test_sync_wait_times_only_recorded_calls_and_restores_the_methods(monkeypatch):

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
+import gc
+
 import pytest
+import torch
 
 from mcore_offload.runtime import cudart
 
@@ -85,3 +89,49 @@ def test_a_raw_event_query_tells_not_ready_from_an_error():
     pool.free.append(1)
     with pytest.raises(RuntimeError, match="cudaEventQuery"):
         pool.get().query()
+
+
+def _malloc_runtime(freed: list[int]) -> cudart.CudaRuntime:
+    """A CudaRuntime whose cudaHostAlloc / cudaFreeHost are libc's malloc / free (records what it frees)."""
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    rt = cudart.CudaRuntime.__new__(cudart.CudaRuntime)
+    flags_seen = []
+
+    def host_alloc(out, n, flags):
+        flags_seen.append(flags)
+        ctypes.cast(out, ctypes.POINTER(ctypes.c_void_p))[0] = libc.malloc(n)
+        return 0
+
+    def free_host(ptr):
+        freed.append(ptr)
+        libc.free(ptr)
+        return 0
+
+    rt.host_alloc, rt.free_host, rt.flags_seen = host_alloc, free_host, flags_seen
+    return rt
+
+
+def test_a_host_tensor_is_freed_once_when_its_last_view_goes():
+    freed: list[int] = []
+    rt = _malloc_runtime(freed)
+    t = rt.host_tensor(3000, cudart.HOST_ALLOC_WRITE_COMBINED)
+    assert t.dtype == torch.uint8 and t.numel() == 3000 and t._base is None
+    assert rt.flags_seen == [cudart.HOST_ALLOC_WRITE_COMBINED]
+    t.fill_(7)
+    view, ptr = t[:10], t.data_ptr()
+    del t
+    gc.collect()
+    assert freed == [] and int(view.sum()) == 70  # the view still holds the block
+    del view
+    gc.collect()
+    assert freed == [ptr]
+
+
+def test_a_failed_host_alloc_is_one_sentence():
+    rt = _malloc_runtime([])
+    rt.host_alloc = lambda out, n, flags: 2  # cudaErrorMemoryAllocation
+    rt._error_string = lambda err: b"out of memory"
+    with pytest.raises(RuntimeError, match="cudaHostAlloc failed: out of memory"):
+        rt.host_tensor(100, 0)

@@ -67,9 +67,11 @@ def same(a, b) -> bool:
     return a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
 
 
-@pytest.mark.parametrize("raw_copy", ["1", "0"], ids=["raw-cudaMemcpyAsync", "torch-copy"])
-def test_cuda_bitwise_equal_pinned_pool_warm_after_step_0_and_telemetry(monkeypatch, raw_copy):
+@pytest.mark.parametrize("raw_copy, host_memory", [("1", "pinned"), ("0", "pinned"), ("1", "write-combined")],
+                         ids=["raw-cudaMemcpyAsync", "torch-copy", "raw-write-combined"])
+def test_cuda_bitwise_equal_pinned_pool_warm_after_step_0_and_telemetry(monkeypatch, raw_copy, host_memory):
     monkeypatch.setenv("MCORE_OFFLOAD_RAW_COPY", raw_copy)
+    monkeypatch.setenv("MCORE_OFFLOAD_HOST_MEMORY", host_memory)
     base = cuda_run([], steps=4)
     got = cuda_run(["qkv_linear", "core_attn", "attn_proj"], steps=4)
     # both copy paths exist on the GPU host: the raw one must really be the one that ran
@@ -77,6 +79,8 @@ def test_cuda_bitwise_equal_pinned_pool_warm_after_step_0_and_telemetry(monkeypa
     assert [type(t).__name__ for t in _TRANSPORTS.values()] == [
         "RawCudaTransport" if raw_copy == "1" else "CudaTransport"]  # raw events and waits with the raw copies
     assert all(same(a, b) for a, b in zip(base, got))
+    if host_memory == "write-combined":  # the pool's buffers came from cudaHostAlloc, not PyTorch's allocator
+        assert all(t.pool.allocate is not None for t in _TRANSPORTS.values())
     summary = get_summary()
     summary.resolve_link(wait=True)
     assert [s.host_buffer_allocations for s in summary.steps][1:] == [0, 0, 0]

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from mcore_offload.runtime.transport import HostBufferPool, Transport, size_class
+from mcore_offload.runtime.transport import HostBufferPool, Transport, host_memory_kind, size_class
 
 
 def test_size_classes_waste_under_an_eighth_and_are_stable():
@@ -110,3 +110,29 @@ def test_routed_and_other_buffers_are_never_mixed():
     pool.release(other, None)
     again, _ = pool.acquire(4000, "moe_act")
     assert again.data_ptr() == routed.data_ptr() and pool.allocations == 2
+
+
+def test_a_pool_with_its_own_allocator_uses_it_for_every_new_buffer():
+    made = []
+
+    def allocate(n):
+        made.append(n)
+        return torch.zeros(n, dtype=torch.uint8)
+
+    pool = HostBufferPool(pin=True, allocate=allocate)  # pin is ignored: the allocator decides
+    buf, _ = pool.acquire(5000)
+    assert made == [size_class(5000)] and buf.numel() == 5000
+    pool.release(buf, None)
+    again, _ = pool.acquire(5000)
+    assert made == [size_class(5000)] and pool.allocations == 1  # reused, not allocated again
+
+
+@pytest.mark.parametrize("value", ["wc", "Pinned", ""])
+def test_an_unknown_host_memory_kind_is_one_sentence(monkeypatch, value):
+    monkeypatch.setenv("MCORE_OFFLOAD_HOST_MEMORY", value)
+    with pytest.raises(ValueError, match="is not a host memory kind: set it to 'pinned'"):
+        host_memory_kind()
+    monkeypatch.setenv("MCORE_OFFLOAD_HOST_MEMORY", "write-combined")
+    assert host_memory_kind() == "write-combined"
+    monkeypatch.delenv("MCORE_OFFLOAD_HOST_MEMORY")
+    assert host_memory_kind() == "pinned"

@@ -20,7 +20,9 @@
 #    other step spins DELAY_US (default 500) µs of host time at each layer's forward / backward
 #    (benchmarks/host_delay.py): the share of host time the step exposes there. NPROC=2 with CONFIG=D-dense or
 #    D-moe: the pipeline-parallel configurations, one rank per GPU (the summary prints rank 0's row; the JSON
-#    has every rank's).
+#    has every rank's). "dmaload": no offloading; every other step copies DMA_MIB (default 48, A core_attn's bytes
+#    per layer and microbatch) out at each layer's forward and in at its backward (benchmarks/dma_load.py): what
+#    the link traffic alone costs. NAME_wc: host buffers in write-combined memory (MCORE_OFFLOAD_HOST_MEMORY).
 set -u
 out=${1:?outdir}; mkdir -p "$out"
 { nvidia-smi topo -m; lscpu | head -25; cat /proc/loadavg; } > "$out/host_topology.txt" 2>&1
@@ -44,10 +46,11 @@ for rep in $(seq 1 "${REPS:-2}"); do
       raw=1; chain=1
       case ${name%@old} in *_torchcopy*) raw=0 ;; esac
       case ${name%@old} in *_nochain*) chain=0 ;; esac
-      envs="MCORE_OFFLOAD_RAW_COPY=$raw MCORE_OFFLOAD_CHAIN_POINTS=$chain"
+      hostmem=pinned; case ${name%@old} in *_wc*) hostmem=write-combined ;; esac
+      envs="MCORE_OFFLOAD_RAW_COPY=$raw MCORE_OFFLOAD_CHAIN_POINTS=$chain MCORE_OFFLOAD_HOST_MEMORY=$hostmem"
       case ${name%@old} in alt_*) alt="--alternate-offload" ;; *) alt="" ;; esac
       case ${name%@old} in *_bd) alt="$alt --runtime-breakdown" ;; esac
-      base=${name%@old}; base=${base#alt_}; base=${base%_bd}; base=${base%_nochain}; base=${base%_torchcopy}
+      base=${name%@old}; base=${base//_wc/}; base=${base#alt_}; base=${base%_bd}; base=${base%_nochain}; base=${base%_torchcopy}
       case $base in baseline) flags="" ;; core_attn) flags=$OFF ;;
         hooks_only) flags="$OFF --min-offloaded-tensor-size 1000000000000" ;;
         attn) flags="--fine-grained-activation-offloading --offload-modules qkv_linear core_attn attn_proj" ;;
@@ -57,6 +60,7 @@ for rep in $(seq 1 "${REPS:-2}"); do
         breakdown) flags="$OFF --runtime-breakdown" ;;
         experts_breakdown) flags="--fine-grained-activation-offloading --offload-modules expert_fc1 moe_act --runtime-breakdown" ;;
         delayfwd) flags="--host-delay-us ${DELAY_US:-500} 0" ;;
+        dmaload) flags="--dma-load-mib ${DMA_MIB:-48} ${DMA_MIB:-48}" ;;
         delaybwd) flags="--host-delay-us 0 ${DELAY_US:-500}" ;;
         hooks_breakdown) flags="$OFF --min-offloaded-tensor-size 1000000000000 --runtime-breakdown" ;; esac
       i=$((i + 1)); tag=${name/@old/_old}-$bind-$rep
@@ -88,6 +92,10 @@ for stem, r in runs.items():
             added = alt["paired_overhead_pct"] / 100 * alt["step_ms_off_median"]
             print(f"  host delay {hd['delay_ms_per_delayed_step']:.1f} ms/step added -> {added:.1f} ms/step exposed "
                   f"({added / hd['delay_ms_per_delayed_step']:.2f}); calls {hd}")
+        dl = r.get("dma_load")
+        if dl:
+            print(f"  dma load: {dl['d2h_bytes_per_loaded_step'] / 2**30:.2f} / {dl['h2d_bytes_per_loaded_step'] / 2**30:.2f}"
+                  f" GiB per step out / in ({dl['host_memory']}), hooks {dl['hook_host_ms_per_loaded_step']:.1f} ms")
     sw = r.get("sync_wait")
     if sw:
         print(f"  sync reads: on/off medians {sw.get('on_median_ms')} / {sw.get('off_median_ms')} ms per step, "

@@ -31,6 +31,7 @@ DEVICE_TO_HOST = 2
 CUDA_ERROR_NOT_READY = 600  # cudaErrorNotReady: cudaEventQuery's "not yet"
 EVENT_BLOCKING_SYNC = 1  # cudaEventBlockingSync: a synchronize on it sleeps instead of spinning a core
 EVENT_DISABLE_TIMING = 2  # cudaEventDisableTiming
+HOST_ALLOC_WRITE_COMBINED = 4  # cudaHostAllocWriteCombined
 
 MemcpyAsync = Callable[[int, int, int, int, int], None]
 MEMCPY_SRC_ACCESS_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream: sources are read in stream order
@@ -158,6 +159,8 @@ class CudaRuntime:
         self.event_query = bind("cudaEventQuery", vp)
         self.event_synchronize = bind("cudaEventSynchronize", vp)
         self.event_elapsed = bind("cudaEventElapsedTime", ctypes.POINTER(ctypes.c_float), vp, vp)
+        self.host_alloc = bind("cudaHostAlloc", ctypes.POINTER(vp), ctypes.c_size_t, u)
+        self.free_host = bind("cudaFreeHost", vp)
         # cudaMemcpyBatchAsync (CUDA >= 13): one call for a burst's copies instead of one per storage. Opt-in
         # (MCORE_OFFLOAD_BATCH_COPY=1): on the H100 host it cost more host time than three cudaMemcpyAsync
         # (session 13, copy_thread_cost.py inline_batch: 113 against 96 µs per layer's two bursts). None: one by one.
@@ -195,10 +198,50 @@ class CudaRuntime:
         return self.memcpy_batch(ptrs(*dsts), ptrs(*srcs), (ctypes.c_size_t * n)(*sizes), n,
                                  ctypes.byref(self._batch_attrs), self._batch_attr_index, 1, stream)
 
+    def host_tensor(self, nbytes: int, flags: int) -> Any:
+        """A uint8 CPU tensor over ``nbytes`` of page-locked memory from ``cudaHostAlloc(flags)``, freed with
+        ``cudaFreeHost`` when the tensor's last reference goes (callers keep it until every copy touching it has run).
+
+        Why not ``torch.empty(pin_memory=True)``: PyTorch's host allocator takes no flags, and write-combined memory
+        (:data:`HOST_ALLOC_WRITE_COMBINED`) is not snooped by the CPU's caches during PCIe transfers.
+        """
+        import torch  # only here: this module is imported on CPU-only installs too
+
+        ptr = ctypes.c_void_p()
+        err = self.host_alloc(ctypes.byref(ptr), max(nbytes, 1), flags)
+        if err:
+            self.fail("cudaHostAlloc", err)
+        block = _host_block_type(nbytes).from_address(ptr.value)
+        block._release = (self.free_host, ptr.value)  # the tensor holds the block, the block frees the memory
+        return torch.frombuffer(block, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
+
     def memcpy_async(self, dst: int, src: int, nbytes: int, kind: int, stream: int) -> None:
         err = self.memcpy(dst, src, nbytes, kind, stream)
         if err:
             self.fail("cudaMemcpyAsync", err)
+
+
+class _HostBlock(ctypes.Array):
+    """Base of the ctypes arrays that own a ``cudaHostAlloc`` block (:meth:`CudaRuntime.host_tensor`)."""
+
+    _type_ = ctypes.c_uint8
+    _length_ = 0
+    _release: tuple[Callable[[int], int], int] | None = None
+
+    def __del__(self) -> None:
+        if self._release is not None:
+            free, ptr = self._release
+            free(ptr)
+
+
+_HOST_BLOCK_TYPES: dict[int, type] = {}  # per length: ctypes needs one array type per length
+
+
+def _host_block_type(nbytes: int) -> type:
+    t = _HOST_BLOCK_TYPES.get(nbytes)
+    if t is None:
+        t = _HOST_BLOCK_TYPES[nbytes] = type(f"HostBlock{nbytes}", (_HostBlock,), {"_length_": nbytes})
+    return t
 
 
 def load_runtime(maps_path: str = "/proc/self/maps") -> CudaRuntime | None:

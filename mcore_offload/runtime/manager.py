@@ -25,7 +25,7 @@ import torch
 from mcore_offload.config import OFFLOAD_MODULES, positive_int_env, recompute_conflicts, selectively_recomputed
 from mcore_offload.runtime.auto import AUTO, AutoPlanner, Plan, clock_mark, elapsed_ms, parse_auto
 from mcore_offload.runtime.handler import ChunkOffloadHandler, Entry, Group
-from mcore_offload.runtime.transport import reset_transports, settle_pools
+from mcore_offload.runtime.transport import host_memory_kind, reset_transports, settle_pools
 from mcore_offload.summary import OffloadSummary
 
 logger = logging.getLogger(__name__)
@@ -118,6 +118,7 @@ class OffloadManager:
         # (runtime/points.py: NodeHook)
         self.node_hooks = os.environ.get("MCORE_OFFLOAD_NODE_HOOKS", "1") != "0"
         self.flush_layers = flush_layers_from_env()
+        self.host_memory = host_memory_kind()  # a bad MCORE_OFFLOAD_HOST_MEMORY fails here, before any step
         # vp_stage -> the layers its chunk ran in its last finished forward (layer_boundary aligns bursts to it)
         self._chunk_layers: dict[int | None, int] = {}
         # (vp_stage, microbatch) of the chunks whose own backward came right after their forward, in the last

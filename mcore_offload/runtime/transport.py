@@ -9,11 +9,21 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 from collections import defaultdict, deque
+from collections.abc import Callable
 
 import torch
 
-from mcore_offload.runtime.cudart import DEVICE_TO_HOST, HOST_TO_DEVICE, CudaRuntime, EventPool, RawEvent, load_runtime
+from mcore_offload.runtime.cudart import (
+    DEVICE_TO_HOST,
+    HOST_ALLOC_WRITE_COMBINED,
+    HOST_TO_DEVICE,
+    CudaRuntime,
+    EventPool,
+    RawEvent,
+    load_runtime,
+)
 from mcore_offload.runtime.telemetry import LinkTelemetry
 
 logger = logging.getLogger(__name__)
@@ -74,8 +84,10 @@ class HostBufferPool:
     MAX_OVERSIZE = 1.25
     ROUTED_HEADROOM = 0.25
 
-    def __init__(self, pin: bool) -> None:
+    def __init__(self, pin: bool, allocate: Callable[[int], torch.Tensor] | None = None) -> None:
         self.pin = pin
+        # how a new buffer is made (None: torch.empty, pinned if ``pin``); RawCudaTransport may pass write-combined
+        self.allocate = allocate
         self._free: dict[int, list[tuple[torch.Tensor, object]]] = defaultdict(list)
         self._classes: list[int] = []  # sorted keys of _free
         self._routed_free: dict[str, list[tuple[torch.Tensor, object]]] = defaultdict(list)
@@ -132,7 +144,10 @@ class HostBufferPool:
     def _allocate(self, cap: int, routed: str | None) -> torch.Tensor:
         self.allocations += 1
         self.allocated_bytes += cap
-        buf = torch.empty(cap, dtype=torch.uint8, pin_memory=self.pin)
+        if self.allocate is not None:
+            buf = self.allocate(cap)
+        else:
+            buf = torch.empty(cap, dtype=torch.uint8, pin_memory=self.pin)
         if routed is not None:
             self._routed_owner[buf.data_ptr()] = routed
         return buf
@@ -398,6 +413,10 @@ class RawCudaTransport(CudaTransport):
         self._h2d_handle = self.h2d_stream.cuda_stream
         if runtime.memcpy_batch is not None and not self._batch_copy_works():
             runtime.memcpy_batch = None
+        if host_memory_kind() == "write-combined":
+            # The CPU never reads these buffers (only the copy engines do); write-combined memory is not snooped in
+            # the CPU's caches during PCIe transfers.
+            self.pool.allocate = lambda n: runtime.host_tensor(n, HOST_ALLOC_WRITE_COMBINED)
 
     def _batch_copy_works(self) -> bool:
         """Check ``cudaMemcpyBatchAsync`` once, on this device, before any burst relies on it (a copy of known bytes
@@ -507,6 +526,18 @@ class RawCudaTransport(CudaTransport):
             if err:
                 self.rt.fail("cudaStreamWaitEvent", err)
             self.telemetry.span("stall", arrival, event, keep_end=True)
+
+
+HOST_MEMORY_KINDS = ("pinned", "write-combined")
+
+
+def host_memory_kind() -> str:
+    """``MCORE_OFFLOAD_HOST_MEMORY``: how host buffers are allocated with raw copies (default ``pinned``)."""
+    kind = os.environ.get("MCORE_OFFLOAD_HOST_MEMORY", "pinned")
+    if kind not in HOST_MEMORY_KINDS:
+        raise ValueError(f"MCORE_OFFLOAD_HOST_MEMORY={kind!r} is not a host memory kind: set it to 'pinned' (the "
+                         f"default) or 'write-combined', or unset it")
+    return kind
 
 
 _TRANSPORTS: dict[torch.device, Transport] = {}
