@@ -10,7 +10,7 @@ from test_runtime_unit import Toy, cfg, train_step
 
 from mcore_offload.runtime import manager as manager_module
 from mcore_offload.runtime import transport as transport_module
-from mcore_offload.runtime.manager import flush_layers_from_env, get_manager
+from mcore_offload.runtime.manager import flush_layers_from_env, get_manager, reload_layers_from_env
 from mcore_offload.summary import get_summary
 
 
@@ -200,3 +200,46 @@ def test_batch_copy_passes_every_pointer_size_and_the_stream_order_attribute():
     assert seen == {"dsts": [0x1000, 0x2000], "srcs": [0x3000, 0x4000], "sizes": [16, 1 << 33], "order": 1,
                     "index": 0, "num_attrs": 1, "stream": 0x77}
     assert ctypes.sizeof(cudart.MemcpyAttributes) == 24  # the C struct's size (enum, two locations, flags)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_reload_bursts_span_k_layers_after_the_first_and_one_wait_covers_each(monkeypatch, k):
+    """Backward's reloads: the chunk's first burst brings one layer back, later ones k layers; the compute stream
+    waits once per burst (a wait on a later burst covers the earlier ones). Same values, same bytes."""
+    monkeypatch.setenv("MCORE_OFFLOAD_RELOAD_LAYERS", str(k))
+    sizes: list[int] = []
+    waits: list[int] = []
+    real_to_device, real_wait = transport_module.Transport.to_device, transport_module.Transport.wait
+
+    def recorded(self, hosts, *args, **kwargs):
+        sizes.append(len(hosts))
+        return real_to_device(self, hosts, *args, **kwargs)
+
+    def waited(self, event):
+        waits.append(1)
+        return real_wait(self, event)
+
+    base, _ = _run([], layers=7, steps=2, microbatches=1)
+    manager_module.reset()
+    monkeypatch.setattr(transport_module.Transport, "to_device", recorded)
+    monkeypatch.setattr(transport_module.Transport, "wait", waited)
+    got, _ = _run(["core_attn"], layers=7, steps=2, microbatches=1)
+    for (l0, g0), (l1, g1) in zip(base, got):
+        assert all(torch.equal(a, b) for a, b in zip(l0, l1))
+        assert all(torch.equal(a, b) for a, b in zip(g0, g1))
+    last = get_summary().last_step
+    assert last.total("reloaded") == last.total("offloaded") > 0
+    assert last.total("reloaded_on_demand") == 0  # every reload was a prefetch
+    # layers 1-6 leave the device (the 7th stays); per step, bursts in layers: 6, then 5..1 in runs of k
+    per_step = len(sizes) // 2
+    per_layer = sizes[0]
+    expected = [1] + [min(k, 5 - i) for i in range(0, 5, k)]
+    assert [n // per_layer for n in sizes[:per_step]] == expected
+    assert sizes[per_step:] == sizes[:per_step]
+    assert len(waits) == 2 * len(expected)
+
+
+def test_a_bad_reload_layers_value_is_one_clear_sentence(monkeypatch):
+    monkeypatch.setenv("MCORE_OFFLOAD_RELOAD_LAYERS", "0")
+    with pytest.raises(ValueError, match=r"MCORE_OFFLOAD_RELOAD_LAYERS=.* is not a positive integer; set it to 1"):
+        reload_layers_from_env()

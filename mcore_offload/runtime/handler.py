@@ -53,8 +53,8 @@ def _routed_key(point: str) -> str | None:
 class Entry:
     """One offloaded storage (slots: one is made per storage and flush, on the hot path)."""
 
-    __slots__ = ("point", "nbytes", "host", "d2h_event", "device_storage", "h2d_event", "compute_waited", "users",
-                 "storage_ref", "off_device", "device_ptr")
+    __slots__ = ("point", "nbytes", "host", "d2h_event", "device_storage", "h2d_event", "h2d_seq", "compute_waited",
+                 "users", "storage_ref", "off_device", "device_ptr")
 
     def __init__(self, point: str, nbytes: int, host: torch.Tensor | None, d2h_event: Any, device_ptr: int = 0) -> None:
         self.point = point
@@ -63,6 +63,7 @@ class Entry:
         self.d2h_event = d2h_event
         self.device_storage: torch.UntypedStorage | None = None
         self.h2d_event: Any = None
+        self.h2d_seq = 0  # the number of the reload burst that brought it back (Transport.wait_reload)
         self.compute_waited = False
         self.users = 0  # groups whose backward has not finished yet
         self.storage_ref: Any = None  # weakref to the original device storage
@@ -212,6 +213,7 @@ class ChunkOffloadHandler(HandlerBase):
         self.backward_started = False
         self.finished = False
         self.layers = 0  # transformer layers started in this chunk's forward
+        self.reload_bursts = 0  # reload bursts _prefetch started in this chunk's backward
         self.marks = None  # auto probe: clock marks of this forward (see runtime/auto.py)
         # TE attributes that inherited code may read
         self.current_group, self.tensor_count_current_group = 0, 0
@@ -295,7 +297,7 @@ class ChunkOffloadHandler(HandlerBase):
             logger.debug("inline reload of a %s storage (%d bytes)", entry.point, entry.nbytes)
             self._reload([entry], on_demand=True)
         if not entry.compute_waited:
-            self.transport.wait(entry.h2d_event)
+            self.transport.wait_reload(entry.h2d_event, entry.h2d_seq)
             entry.compute_waited = True
         view = torch.empty(0, dtype=tensor_tag.dtype, device=self.device)
         view.set_(entry.device_storage, tensor_tag.offset, tensor_tag.size, tensor_tag.stride)
@@ -395,13 +397,14 @@ class ChunkOffloadHandler(HandlerBase):
                         self.manager.auto.kept(self.vp_stage, g.layer, point)
             self.pending = []
         self._reload(group.entries, on_demand=True)
-        waited: set[int] = set()
+        latest = None
         for entry in group.entries:
             if not entry.compute_waited:
-                if id(entry.h2d_event) not in waited:  # one wait per reload batch
-                    waited.add(id(entry.h2d_event))
-                    self.transport.wait(entry.h2d_event)
+                if latest is None or entry.h2d_seq > latest.h2d_seq:
+                    latest = entry
                 entry.compute_waited = True
+        if latest is not None:  # one wait, on the latest burst: it covers the earlier ones
+            self.transport.wait_reload(latest.h2d_event, latest.h2d_seq)
         self._prefetch(group)
         self.current_group = max(self.current_group - 1, 0)
 
@@ -411,17 +414,32 @@ class ChunkOffloadHandler(HandlerBase):
         One group ahead is not enough: attn_proj's backward is far shorter than the link time of
         core_attn's storages. A layer ahead mirrors forward, where a layer's storages stay on the device
         until the next layer's copy-out has read them.
+
+        When that layer is not resident yet, the burst also takes the ``reload_layers - 1`` layers below it
+        (MCORE_OFFLOAD_RELOAD_LAYERS): every burst costs the same few CUDA calls and a compute-stream wait,
+        whatever it carries. Not the chunk's first burst: it runs while backward's memory is still at its
+        highest (the top layer's activations and the output's gradient), so it carries one layer, as before.
         """
         if group.index <= 0:
             return
-        todo: list[Entry] = []
+        needed: list[Entry] = []
+        reach = group.layer - 1
         for prev in reversed(self.groups[: group.index]):
-            if prev.layer < group.layer - 1:
+            if prev.layer < reach:
                 break
             if not prev.done:
-                todo.extend(prev.entries)
-        if todo:
-            self._reload(todo)
+                needed.extend(e for e in prev.entries if e.device_storage is None and e.host is not None)
+        if not needed:
+            return
+        k = self.manager.reload_layers
+        if k > 1 and self.reload_bursts:
+            for prev in reversed(self.groups[: group.index]):
+                if prev.layer < reach:
+                    if prev.layer <= reach - k:
+                        break
+                    needed.extend(prev.entries)  # _reload skips what is resident or shared
+        self.reload_bursts += 1
+        self._reload(needed)
 
     def bulk_reload_group(self, group_to_reload: Any) -> None:
         """TE's name: start the reload of one group."""
@@ -448,10 +466,13 @@ class ChunkOffloadHandler(HandlerBase):
         todo = list({id(e): e for e in entries if e.device_storage is None and e.host is not None}.values())
         if not todo:
             return
-        storages, event = self.transport.to_device([e.host for e in todo], [e.nbytes for e in todo],
-                                                   [e.d2h_event for e in todo], self.device)
+        transport = self.transport
+        storages, event = transport.to_device([e.host for e in todo], [e.nbytes for e in todo],
+                                              [e.d2h_event for e in todo], self.device)
+        transport.reload_seq += 1
+        seq = transport.reload_seq
         for entry, storage in zip(todo, storages):
-            entry.device_storage, entry.h2d_event = storage, event
+            entry.device_storage, entry.h2d_event, entry.h2d_seq = storage, event, seq
             entry.compute_waited = False
             self.manager.on_reloaded(entry, on_demand)
 

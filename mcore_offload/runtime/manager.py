@@ -83,6 +83,16 @@ def flush_layers_from_env() -> int:
                             "N layers' groups at once")
 
 
+#: layers whose groups come back in one reload burst (``MCORE_OFFLOAD_RELOAD_LAYERS``; see handler._prefetch)
+DEFAULT_RELOAD_LAYERS = 2
+
+
+def reload_layers_from_env() -> int:
+    """``MCORE_OFFLOAD_RELOAD_LAYERS`` as a positive int (a bad value: one clear sentence)."""
+    return positive_int_env("MCORE_OFFLOAD_RELOAD_LAYERS", DEFAULT_RELOAD_LAYERS,
+                            "set it to 1 to reload one layer ahead of backward, or N to reload N layers at once")
+
+
 def _parameter_storages(model: torch.nn.Module) -> tuple[torch.device | None, set[int]]:
     """The chunk's device and the storages of its parameters and main_grad buffers (never offloaded)."""
     params = list(model.parameters())
@@ -118,6 +128,7 @@ class OffloadManager:
         # (runtime/points.py: NodeHook)
         self.node_hooks = os.environ.get("MCORE_OFFLOAD_NODE_HOOKS", "1") != "0"
         self.flush_layers = flush_layers_from_env()
+        self.reload_layers = reload_layers_from_env()
         self.host_memory = host_memory_kind()  # a bad MCORE_OFFLOAD_HOST_MEMORY fails here, before any step
         # vp_stage -> the layers its chunk ran in its last finished forward (layer_boundary aligns bursts to it)
         self._chunk_layers: dict[int | None, int] = {}

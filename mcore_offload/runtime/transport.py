@@ -207,6 +207,8 @@ class Transport:
     def __init__(self) -> None:
         self.pool = HostBufferPool(pin=False)
         self.telemetry = LinkTelemetry(None)
+        self.reload_seq = 0  # reload bursts started (the handlers number them: wait_reload)
+        self._waited_seq: dict[int, int] = {}  # compute stream -> the latest reload burst it waited for
 
     def to_host(self, storages: list[torch.UntypedStorage], keep_alive: list[torch.Tensor],
                 routed: list[str | None]) -> tuple[list, object]:
@@ -239,6 +241,20 @@ class Transport:
 
     def wait(self, event: object) -> None:
         """Make the current (compute) stream wait for ``event``."""
+
+    def _compute_handle(self) -> int:
+        """The current (compute) stream's raw handle (0 on the CPU)."""
+        return 0
+
+    def wait_reload(self, event: object, seq: int) -> None:
+        """Make the compute stream wait for reload burst number ``seq`` (its done ``event``), unless it already waited
+        for that burst or a later one: reloads run in order on one stream, so a wait covers every earlier burst (a
+        burst spanning several layers is then waited for once, not at each layer)."""
+        stream = self._compute_handle()
+        if self._waited_seq.get(stream, 0) >= seq:
+            return
+        self._waited_seq[stream] = seq
+        self.wait(event)
 
     def release_copied(self, final: bool = False) -> None:
         """Let go of the device blocks whose copy to the host has finished (``final``: of all of them)."""
@@ -276,6 +292,8 @@ class CudaTransport(Transport):
         self._streams: dict[int, torch.cuda.Stream] = {}  # stream id -> Stream object, for the raw lookup
         # (done event, the device tensors it read) per D2H burst, oldest first: see release_copied
         self._held: deque[tuple[object, list[torch.Tensor]]] = deque()
+        self.reload_seq = 0
+        self._waited_seq: dict[int, int] = {}
 
     @staticmethod
     def _timing_event() -> torch.cuda.Event:
@@ -290,6 +308,11 @@ class CudaTransport(Transport):
         if stream is None:
             stream = self._streams[sid] = torch.cuda.current_stream(self.device_index)
         return stream
+
+    def _compute_handle(self) -> int:
+        if _raw_current_stream_handle is not None:
+            return _raw_current_stream_handle(self.device_index)
+        return self._current().cuda_stream
 
     def _done_event(self) -> torch.cuda.Event:
         """The event a burst's readers wait on; also the telemetry's end mark of the burst."""
@@ -436,11 +459,6 @@ class RawCudaTransport(CudaTransport):
         """The event a burst's readers wait on; also the telemetry's end mark (always timed here: a timed event
         records and is waited on like any other, and one pool serves marks and done events)."""
         return self._timed_events.get()
-
-    def _compute_handle(self) -> int:
-        if _raw_current_stream_handle is not None:
-            return _raw_current_stream_handle(self.device_index)
-        return self._current().cuda_stream
 
     def to_host(self, storages, keep_alive, routed):
         self.release_copied()
