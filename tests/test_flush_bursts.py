@@ -135,9 +135,10 @@ class _FakeRuntime:
     memcpy_batch = None  # copies one by one
 
     def __init__(self):
-        self.waits, self.copies = [], 0
+        self.waits, self.copies, self.calls = [], 0, []
 
     def event_record(self, event, stream):
+        self.calls.append(("record", event))
         return 0
 
     def stream_wait(self, stream, event, flags):
@@ -146,6 +147,7 @@ class _FakeRuntime:
 
     def memcpy(self, dst, src, n, kind, stream):
         self.copies += 1
+        self.calls.append(("copy", n))
         return 0
 
 
@@ -177,6 +179,31 @@ def test_a_reload_waits_only_on_d2h_bursts_not_yet_seen_complete():
     assert batches == [(3, [4, 4, 4], "h2d")] and t.rt.copies == 3
 
 
+def test_a_reload_in_parts_records_a_done_event_after_each_part_in_order():
+    from collections import deque
+    from itertools import count
+    from types import SimpleNamespace
+
+    from mcore_offload.runtime.telemetry import LinkTelemetry
+    from mcore_offload.runtime.transport import RawCudaTransport
+
+    t = object.__new__(RawCudaTransport)
+    t.rt = _FakeRuntime()
+    t._held = deque()
+    t._h2d_handle, t._h2d_fence = "h2d", SimpleNamespace(handle="fence")
+    t.telemetry = LinkTelemetry(None)
+    t._compute_handle = lambda: "compute"
+    n = count()
+    t._done_event = lambda: SimpleNamespace(handle=f"done{next(n)}")
+    hosts = [torch.zeros(8, dtype=torch.uint8) for _ in range(3)]
+    _, events = t.to_device(hosts, [1, 2, 3], [None], torch.device("cpu"), [1, 2])
+    assert [e.handle for e in events] == ["done0", "done1"]
+    assert t.rt.calls == [("record", "fence"), ("copy", 1), ("record", "done0"), ("copy", 2), ("copy", 3),
+                          ("record", "done1")]
+    with pytest.raises(ValueError, match="do not split 3 copies"):
+        t.to_device(hosts, [1, 2, 3], [None], torch.device("cpu"), [1, 1])
+
+
 def test_batch_copy_passes_every_pointer_size_and_the_stream_order_attribute():
     """memcpy_many's ctypes arguments, read back by a C-callable stand-in for cudaMemcpyBatchAsync."""
     import ctypes
@@ -204,16 +231,18 @@ def test_batch_copy_passes_every_pointer_size_and_the_stream_order_attribute():
 
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_reload_bursts_span_k_layers_after_the_first_and_one_wait_covers_each(monkeypatch, k):
-    """Backward's reloads: the chunk's first burst brings one layer back, later ones k layers; the compute stream
-    waits once per burst (a wait on a later burst covers the earlier ones). Same values, same bytes."""
+    """Backward's reloads: the chunk's first burst brings one layer back, later ones k layers, each layer with its
+    own done event, which that layer's backward waits for (not the whole burst's). Same values, same bytes."""
     monkeypatch.setenv("MCORE_OFFLOAD_RELOAD_LAYERS", str(k))
     sizes: list[int] = []
+    parts: list[list[int] | None] = []
     waits: list[int] = []
     real_to_device, real_wait = transport_module.Transport.to_device, transport_module.Transport.wait
 
-    def recorded(self, hosts, *args, **kwargs):
+    def recorded(self, hosts, sizes_, after, device, parts_=None):
         sizes.append(len(hosts))
-        return real_to_device(self, hosts, *args, **kwargs)
+        parts.append(parts_)
+        return real_to_device(self, hosts, sizes_, after, device, parts_)
 
     def waited(self, event):
         waits.append(1)
@@ -236,7 +265,10 @@ def test_reload_bursts_span_k_layers_after_the_first_and_one_wait_covers_each(mo
     expected = [1] + [min(k, 5 - i) for i in range(0, 5, k)]
     assert [n // per_layer for n in sizes[:per_step]] == expected
     assert sizes[per_step:] == sizes[:per_step]
-    assert len(waits) == 2 * len(expected)
+    # a part per layer in a burst of several; one wait per layer
+    assert [p or [n] for p, n in zip(parts, sizes)][:per_step] == [[per_layer] * (n // per_layer)
+                                                                    for n in sizes[:per_step]]
+    assert len(waits) == 2 * 6
 
 
 def test_a_bad_reload_layers_value_is_one_clear_sentence(monkeypatch):

@@ -431,15 +431,21 @@ class ChunkOffloadHandler(HandlerBase):
                 needed.extend(e for e in prev.entries if e.device_storage is None and e.host is not None)
         if not needed:
             return
+        runs = [needed]  # one per layer, each with its own done event: a layer waits for its own copies only
         k = self.manager.reload_layers
         if k > 1 and self.reload_bursts:
+            layer = reach
             for prev in reversed(self.groups[: group.index]):
-                if prev.layer < reach:
-                    if prev.layer <= reach - k:
-                        break
-                    needed.extend(prev.entries)  # _reload skips what is resident or shared
+                if prev.layer >= reach:
+                    continue
+                if prev.layer <= reach - k:
+                    break
+                if prev.layer != layer:
+                    layer = prev.layer
+                    runs.append([])
+                runs[-1].extend(prev.entries)  # _reload skips what is resident or shared
         self.reload_bursts += 1
-        self._reload(needed)
+        self._reload(needed, runs=runs)
 
     def bulk_reload_group(self, group_to_reload: Any) -> None:
         """TE's name: start the reload of one group."""
@@ -461,20 +467,35 @@ class ChunkOffloadHandler(HandlerBase):
                 break
             self._reload(group.entries)  # pending groups have none yet: they stay on the device
 
-    def _reload(self, entries: list[Entry], on_demand: bool = False) -> None:
-        # dict by id: groups that save views of one storage share its entry
-        todo = list({id(e): e for e in entries if e.device_storage is None and e.host is not None}.values())
+    def _reload(self, entries: list[Entry], on_demand: bool = False, runs: list[list[Entry]] | None = None) -> None:
+        """One reload burst for ``entries`` (or for ``runs``: consecutive lists, each with its own done event, in
+        the order needed) of what is on the host only."""
+        seen: set[int] = set()
+        todo: list[Entry] = []
+        parts: list[int] = []
+        for run in runs if runs is not None else (entries,):
+            before = len(todo)
+            for e in run:  # groups that save views of one storage share its entry
+                if e.device_storage is None and e.host is not None and id(e) not in seen:
+                    seen.add(id(e))
+                    todo.append(e)
+            if len(todo) > before:
+                parts.append(len(todo) - before)
         if not todo:
             return
         transport = self.transport
-        storages, event = transport.to_device([e.host for e in todo], [e.nbytes for e in todo],
-                                              [e.d2h_event for e in todo], self.device)
-        transport.reload_seq += 1
-        seq = transport.reload_seq
-        for entry, storage in zip(todo, storages):
-            entry.device_storage, entry.h2d_event, entry.h2d_seq = storage, event, seq
-            entry.compute_waited = False
-            self.manager.on_reloaded(entry, on_demand)
+        storages, events = transport.to_device([e.host for e in todo], [e.nbytes for e in todo],
+                                               [e.d2h_event for e in todo], self.device,
+                                               parts if len(parts) > 1 else None)
+        i = 0
+        for part, event in zip(parts if len(parts) > 1 else [len(todo)], events):
+            transport.reload_seq += 1
+            seq = transport.reload_seq
+            for entry in todo[i:i + part]:
+                entry.device_storage, entry.h2d_event, entry.h2d_seq = storages[i], event, seq
+                entry.compute_waited = False
+                self.manager.on_reloaded(entry, on_demand)
+                i += 1
 
     def on_group_backward_done(self, group: Group) -> None:
         """The group's whole backward ran: its device copies can go."""

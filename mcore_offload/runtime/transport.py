@@ -63,6 +63,19 @@ def copy_into_host(buf: torch.Tensor, storage: torch.UntypedStorage, non_blockin
         buf.copy_(as_bytes(storage), non_blocking=non_blocking)
 
 
+def _part_ends(parts: list[int] | None, n: int) -> set[int]:
+    """The copy counts after which a part of an ``n``-copy burst ends (``parts``: see :meth:`Transport.to_device`)."""
+    if not parts:
+        return {n}
+    ends, total = set(), 0
+    for p in parts:
+        total += p
+        ends.add(total)
+    if total != n or 0 in ends:
+        raise ValueError(f"reload parts {parts} do not split {n} copies into non-empty runs")
+    return ends
+
+
 class HostBufferPool:
     """Host buffers reused by size class (:func:`size_class`); pinned when the device is CUDA.
 
@@ -226,10 +239,14 @@ class Transport:
         self.telemetry.span("d2h", None, None, sum(s.nbytes() for s in storages))
         return bufs, None
 
-    def to_device(self, hosts: list[torch.Tensor], sizes: list[int], after: list[object],
-                  device: torch.device) -> tuple[list, object]:
-        """Copy the first ``sizes[i]`` bytes of each host buffer into a fresh device storage; return them and one
-        event for all the copies. ``after``: the D2H events these reads must follow.
+    def to_device(self, hosts: list[torch.Tensor], sizes: list[int], after: list[object], device: torch.device,
+                  parts: list[int] | None = None) -> tuple[list, list]:
+        """Copy the first ``sizes[i]`` bytes of each host buffer into a fresh device storage, in order; return them
+        and one done event per part (``parts``: how many consecutive copies each part holds; None: one part).
+        ``after``: the D2H events these reads must follow.
+
+        Why parts: a burst that brings back several layers costs the fixed per-burst calls once, and the layer
+        needed first waits only for its own copies (its part's event), not for the whole burst's.
         """
         out = []
         for host, n in zip(hosts, sizes):
@@ -237,7 +254,7 @@ class Transport:
             dst.copy_(host if host.numel() == n else host[:n])
             out.append(dst.untyped_storage())
         self.telemetry.span("h2d", None, None, sum(sizes))
-        return out, None
+        return out, [None] * (len(parts) if parts else 1)
 
     def wait(self, event: object) -> None:
         """Make the current (compute) stream wait for ``event``."""
@@ -351,7 +368,7 @@ class CudaTransport(Transport):
         self.telemetry.span("d2h", start, done, nbytes, keep_end=True)
         return bufs, done
 
-    def to_device(self, hosts, sizes, after, device):
+    def to_device(self, hosts, sizes, after, device, parts=None):
         self.release_copied()
         h2d = self.h2d_stream
         # Allocated on the compute stream, which is the stream that consumes and later frees them. Byte tensors,
@@ -368,16 +385,19 @@ class CudaTransport(Transport):
                 h2d.wait_event(event)
                 waited = event
         start = self.telemetry.mark(h2d)
+        ends = _part_ends(parts, len(out))
+        events = []
         _set_stream(h2d)
         try:
-            for dst, host, n in zip(out, hosts, sizes):
+            for i, (dst, host, n) in enumerate(zip(out, hosts, sizes)):
                 dst.copy_(host if host.numel() == n else host[:n], non_blocking=True)
+                if i + 1 in ends:
+                    events.append(self._done_event())
+                    events[-1].record(h2d)
         finally:
             _set_stream(compute)
-        done = self._done_event()
-        done.record(h2d)
-        self.telemetry.span("h2d", start, done, sum(sizes), keep_end=True)
-        return [dst.untyped_storage() for dst in out], done
+        self.telemetry.span("h2d", start, events[-1], sum(sizes), keep_end=True)
+        return [dst.untyped_storage() for dst in out], events
 
     def wait(self, event):
         if event is not None:
@@ -492,7 +512,7 @@ class RawCudaTransport(CudaTransport):
         self.telemetry.span("d2h", start, done, nbytes, keep_end=True)
         return bufs, done
 
-    def to_device(self, hosts, sizes, after, device):
+    def to_device(self, hosts, sizes, after, device, parts=None):
         self.release_copied()
         rt = self.rt
         record, stream_wait = rt.event_record, rt.stream_wait
@@ -512,13 +532,20 @@ class RawCudaTransport(CudaTransport):
         if err:
             rt.fail("cudaEventRecord/cudaStreamWaitEvent", err)
         start = self.telemetry.mark(h2d)
-        done = self._copy_burst(out, hosts, sizes, HOST_TO_DEVICE, h2d)
-        self.telemetry.span("h2d", start, done, sum(sizes), keep_end=True)
-        return [dst.untyped_storage() for dst in out], done
+        if not parts:
+            events = [self._copy_burst(out, hosts, sizes, HOST_TO_DEVICE, h2d)]
+        else:
+            events, first = [], 0
+            for end in sorted(_part_ends(parts, len(out))):
+                events.append(self._copy_burst(out[first:end], hosts[first:end], sizes[first:end], HOST_TO_DEVICE,
+                                               h2d))
+                first = end
+        self.telemetry.span("h2d", start, events[-1], sum(sizes), keep_end=True)
+        return [dst.untyped_storage() for dst in out], events
 
     def _copy_burst(self, dsts: list, srcs: list, sizes: list[int], kind: int, stream: int) -> RawEvent:
         """Copy the first ``sizes[i]`` bytes of ``srcs[i]`` to ``dsts[i]`` (tensors or storages) on ``stream``, then
-        record the burst's done event there and return it."""
+        record a done event there and return it."""
         rt = self.rt
         if rt.memcpy_batch is not None and len(dsts) > 1:  # one call for the burst
             err = rt.memcpy_many([d.data_ptr() for d in dsts], [s.data_ptr() for s in srcs], sizes, stream)
