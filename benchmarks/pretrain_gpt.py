@@ -364,17 +364,17 @@ def main(argv=None) -> int:
     alternate = args.alternate_offload or bool(args.host_delay_us) or bool(args.dma_load_mib)
     config = build_config(args)
     chunks = build_model(args, config)
-    delay = None
+    side_load = None  # HostDelay or DmaLoad: work added to every other step
     if args.host_delay_us:
         from host_delay import HostDelay
 
-        delay = HostDelay(*args.host_delay_us)
-        delay.install(chunks)
+        side_load = HostDelay(*args.host_delay_us)
+        side_load.install(chunks)
     elif args.dma_load_mib:
         from dma_load import DmaLoad
 
-        delay = DmaLoad(*args.dma_load_mib, device)
-        delay.install(chunks)
+        side_load = DmaLoad(*args.dma_load_mib, device)
+        side_load.install(chunks)
     syncs = None
     if args.time_syncs:
         from sync_wait import SyncWait
@@ -442,8 +442,8 @@ def main(argv=None) -> int:
             if alternate:  # every step's own peak (the step-1 peak above is still read as usual)
                 torch.cuda.reset_peak_memory_stats()
         on_steps.append(not (alternate and step % 2))
-        if delay is not None:
-            delay.active = on_steps[-1]
+        if side_load is not None:
+            side_load.active = on_steps[-1]
         gc_clock.start_step()
         t0 = time.perf_counter()
         if syncs is not None:
@@ -543,8 +543,8 @@ def main(argv=None) -> int:
         row["alternation"] = alternation_summary(step_ms, on_steps, first, step_peaks if cuda else None)
         row["alternation"]["on_steps"] = on_steps
         row["alternation"]["step_peaks"] = step_peaks
-        if delay is not None:
-            row["dma_load" if args.dma_load_mib else "host_delay"] = delay.as_dict(sum(on_steps))
+        if side_load is not None:
+            row["dma_load" if args.dma_load_mib else "host_delay"] = side_load.as_dict(sum(on_steps))
         logger.info("rank %d alternating steps: %s %s", rank,
                     {k: v for k, v in row["alternation"].items() if k not in ("on_steps", "step_peaks")},
                     row.get("host_delay", row.get("dma_load", "")))

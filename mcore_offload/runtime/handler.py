@@ -447,7 +447,7 @@ class ChunkOffloadHandler(HandlerBase):
                     runs.append([])
                 runs[-1].extend(prev.entries)  # _reload skips what is resident or shared
         self.reload_bursts += 1
-        self._reload(needed, runs=runs)
+        self._reload(*runs)
 
     def bulk_reload_group(self, group_to_reload: Any) -> None:
         """TE's name: start the reload of one group."""
@@ -469,13 +469,13 @@ class ChunkOffloadHandler(HandlerBase):
                 break
             self._reload(group.entries)  # pending groups have none yet: they stay on the device
 
-    def _reload(self, entries: list[Entry], on_demand: bool = False, runs: list[list[Entry]] | None = None) -> None:
-        """One reload burst for ``entries`` (or for ``runs``: consecutive lists, each with its own done event, in
-        the order needed) of what is on the host only."""
+    def _reload(self, *runs: list[Entry], on_demand: bool = False) -> None:
+        """One reload burst for what is on the host only in ``runs`` (lists of entries, in the order needed; each run
+        gets its own done event)."""
         seen: set[int] = set()
         todo: list[Entry] = []
         parts: list[int] = []
-        for run in runs if runs is not None else (entries,):
+        for run in runs:
             before = len(todo)
             for e in run:  # groups that save views of one storage share its entry
                 if e.device_storage is None and e.host is not None and id(e) not in seen:
