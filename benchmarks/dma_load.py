@@ -20,6 +20,7 @@ from time import perf_counter_ns
 from typing import Any
 
 import torch
+from host_delay import LayerHooks
 
 from mcore_offload.runtime.cudart import DEVICE_TO_HOST, HOST_ALLOC_WRITE_COMBINED, HOST_TO_DEVICE, load_runtime
 from mcore_offload.runtime.transport import host_memory_kind
@@ -27,20 +28,19 @@ from mcore_offload.runtime.transport import host_memory_kind
 _current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
-class DmaLoad:
-    """Forward pre-hooks and output-gradient hooks on every ``TransformerLayer`` but each chunk's last; ``active``
+class DmaLoad(LayerHooks):
+    """Copies at every ``TransformerLayer`` but each chunk's last (:meth:`install` with ``skip_last``); ``active``
     switches them (pretrain_gpt.py sets it per step)."""
 
     def __init__(self, fwd_mib: float, bwd_mib: float, device: torch.device) -> None:
+        super().__init__()
         self.fwd_bytes, self.bwd_bytes = int(fwd_mib * 2**20), int(bwd_mib * 2**20)
+        self.fwd, self.bwd = self.fwd_bytes, self.bwd_bytes
         self.rt = load_runtime()
         if self.rt is None:
             raise SystemExit("--dma-load-mib needs the CUDA runtime PyTorch has mapped (raw copies)")
         self.memory = host_memory_kind()
         self.device_index = device.index if device.index is not None else torch.cuda.current_device()
-        self.active = False
-        self.layers = 0
-        self.calls = {"fwd": 0, "bwd": 0}
         self.host_ns = 0
         n = max(self.fwd_bytes, self.bwd_bytes, 1)
         self.src = torch.empty(n, dtype=torch.uint8, device=device)  # read by D2H
@@ -54,15 +54,9 @@ class DmaLoad:
             return self.rt.host_tensor(n, HOST_ALLOC_WRITE_COMBINED)
         return torch.empty(n, dtype=torch.uint8, pin_memory=True)
 
-    def install(self, chunks: list[torch.nn.Module]) -> int:
-        """Hook every transformer layer of ``chunks`` except each chunk's last; returns how many."""
-        for chunk in chunks:
-            layers = [m for m in chunk.modules() if type(m).__name__ == "TransformerLayer"]
-            for module in layers[:-1]:
-                module.register_forward_pre_hook(self._forward_pre)
-                module.register_forward_hook(self._forward_post)
-                self.layers += 1
-        return self.layers
+    def install(self, chunks: list[torch.nn.Module], skip_last: bool = True) -> int:
+        """Hook every transformer layer of ``chunks`` except each chunk's last (the runtime keeps it on the device)."""
+        return super().install(chunks, skip_last)
 
     def _copy(self, nbytes: int, stream: torch.cuda.Stream, dst: int, src: int, kind: int) -> None:
         t0 = perf_counter_ns()
@@ -79,18 +73,10 @@ class DmaLoad:
         rt.memcpy_async(dst, src, nbytes, kind, stream.cuda_stream)
         self.host_ns += perf_counter_ns() - t0
 
-    def _forward_pre(self, module: Any, args: Any) -> None:
-        if self.active and self.fwd_bytes and torch.is_grad_enabled():
-            self.calls["fwd"] += 1
-            self._copy(self.fwd_bytes, self.d2h, self.hosts[0].data_ptr(), self.src.data_ptr(), DEVICE_TO_HOST)
+    def on_forward(self) -> None:
+        self._copy(self.fwd_bytes, self.d2h, self.hosts[0].data_ptr(), self.src.data_ptr(), DEVICE_TO_HOST)
 
-    def _forward_post(self, module: Any, args: Any, output: Any) -> None:
-        out = output[0] if isinstance(output, (tuple, list)) else output
-        if self.active and self.bwd_bytes and isinstance(out, torch.Tensor) and out.requires_grad:
-            out.register_hook(self._backward)
-
-    def _backward(self, grad: torch.Tensor) -> None:
-        self.calls["bwd"] += 1
+    def on_backward(self) -> None:
         self._copy(self.bwd_bytes, self.h2d, self.dst.data_ptr(), self.hosts[1].data_ptr(), HOST_TO_DEVICE)
 
     def as_dict(self, loaded_steps: int) -> dict[str, Any]:

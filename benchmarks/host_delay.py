@@ -25,37 +25,62 @@ def spin(us: float) -> None:
         pass
 
 
-class HostDelay:
-    """Forward pre-hooks and output-gradient hooks on every ``TransformerLayer``; ``active`` switches them."""
+class LayerHooks:
+    """Work at every ``TransformerLayer``'s forward start and at its backward start (when the gradient of its output
+    arrives), while ``active``; subclasses set ``fwd`` / ``bwd`` (0: none that way) and do the work in
+    :meth:`on_forward` / :meth:`on_backward`. ``calls`` counts both."""
 
-    def __init__(self, fwd_us: float, bwd_us: float) -> None:
-        self.fwd_us, self.bwd_us = fwd_us, bwd_us
+    fwd: float = 0
+    bwd: float = 0
+
+    def __init__(self) -> None:
         self.active = False
         self.layers = 0
         self.calls = {"fwd": 0, "bwd": 0}
 
-    def install(self, chunks: list[torch.nn.Module]) -> int:
-        """Hook every transformer layer of ``chunks``; returns how many."""
+    def install(self, chunks: list[torch.nn.Module], skip_last: bool = False) -> int:
+        """Hook every transformer layer of ``chunks`` (``skip_last``: but each chunk's last); returns how many."""
         for chunk in chunks:
-            for module in chunk.modules():
-                if type(module).__name__ == "TransformerLayer":
-                    module.register_forward_pre_hook(self._forward_pre)
-                    module.register_forward_hook(self._forward_post)
-                    self.layers += 1
+            layers = [m for m in chunk.modules() if type(m).__name__ == "TransformerLayer"]
+            for module in layers[:-1] if skip_last else layers:
+                module.register_forward_pre_hook(self._forward_pre)
+                module.register_forward_hook(self._forward_post)
+                self.layers += 1
         return self.layers
 
     def _forward_pre(self, module: Any, args: Any) -> None:
-        if self.active and self.fwd_us and torch.is_grad_enabled():
+        if self.active and self.fwd and torch.is_grad_enabled():
             self.calls["fwd"] += 1
-            spin(self.fwd_us)
+            self.on_forward()
 
     def _forward_post(self, module: Any, args: Any, output: Any) -> None:
         out = output[0] if isinstance(output, (tuple, list)) else output
-        if self.active and self.bwd_us and isinstance(out, torch.Tensor) and out.requires_grad:
+        if self.active and self.bwd and isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(self._backward)
 
     def _backward(self, grad: torch.Tensor) -> None:
         self.calls["bwd"] += 1
+        self.on_backward()
+
+    def on_forward(self) -> None:
+        raise NotImplementedError
+
+    def on_backward(self) -> None:
+        raise NotImplementedError
+
+
+class HostDelay(LayerHooks):
+    """Spins ``fwd_us`` at every layer's forward and ``bwd_us`` at its backward; ``active`` switches them."""
+
+    def __init__(self, fwd_us: float, bwd_us: float) -> None:
+        super().__init__()
+        self.fwd_us, self.bwd_us = fwd_us, bwd_us
+        self.fwd, self.bwd = fwd_us, bwd_us
+
+    def on_forward(self) -> None:
+        spin(self.fwd_us)
+
+    def on_backward(self) -> None:
         spin(self.bwd_us)
 
     def as_dict(self, delayed_steps: int) -> dict[str, Any]:

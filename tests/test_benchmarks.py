@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -303,3 +304,31 @@ def test_cpu_grouped_layer_measures_an_offloading_step(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
     assert result["pairs"] == 4 and isinstance(result["added_us_per_layer_microbatch"], float)
+
+
+def test_dma_load_copies_at_every_layer_but_each_chunks_last_in_active_steps_only():
+    """DmaLoad's hooks (CPU: its copy recorded instead of made): one copy out per layer's forward and one in per
+    layer's backward, each chunk's last layer left out, nothing while inactive."""
+    from dma_load import DmaLoad
+
+    class TransformerLayer(torch.nn.Linear):  # the hooks find layers by this class name
+        pass
+
+    chunk = torch.nn.Sequential(*(TransformerLayer(4, 4) for _ in range(3)))
+    load = object.__new__(DmaLoad)  # no CUDA here: only the hook logic
+    super(DmaLoad, load).__init__()
+    load.fwd_bytes, load.bwd_bytes = 10, 20
+    load.fwd, load.bwd = 10, 20
+    copies = []
+    load._copy = lambda nbytes, stream, dst, src, kind: copies.append((nbytes, kind))
+    load.d2h = load.h2d = None
+    load.src = load.dst = torch.zeros(1)
+    load.hosts = [torch.zeros(1), torch.zeros(1)]
+    assert load.install([chunk]) == 2
+    for active in (False, True):
+        load.active = active
+        chunk(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    from mcore_offload.runtime.cudart import DEVICE_TO_HOST, HOST_TO_DEVICE
+
+    assert copies == [(10, DEVICE_TO_HOST)] * 2 + [(20, HOST_TO_DEVICE)] * 2
+    assert load.calls == {"fwd": 2, "bwd": 2}

@@ -296,6 +296,7 @@ class CudaTransport(Transport):
     _memcpy = None  # the raw copy entry point (RawCudaTransport); tests read which path ran
 
     def __init__(self, device: torch.device) -> None:
+        super().__init__()
         self.pool = HostBufferPool(pin=True)
         self.device = device
         self.device_index = device.index if device.index is not None else torch.cuda.current_device()
@@ -309,8 +310,6 @@ class CudaTransport(Transport):
         self._streams: dict[int, torch.cuda.Stream] = {}  # stream id -> Stream object, for the raw lookup
         # (done event, the device tensors it read) per D2H burst, oldest first: see release_copied
         self._held: deque[tuple[object, list[torch.Tensor]]] = deque()
-        self.reload_seq = 0
-        self._waited_seq: dict[int, int] = {}
 
     @staticmethod
     def _timing_event() -> torch.cuda.Event:
