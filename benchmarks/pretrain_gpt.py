@@ -23,6 +23,7 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -89,6 +90,9 @@ def parse_args(argv=None) -> argparse.Namespace:
       help="as in Megatron-LM: no automatic Python garbage collection; collect between steps (untimed)")
     a("--manual-gc-interval", type=int, default=1, help="with --manual-gc: collect every K steps")
     a("--memory-timeline", action="store_true", help="log allocated memory around every microbatch")
+    a("--peak-trace", action="store_true",
+      help="record the allocator's history in the step whose peak is reported: where the peak was reached and the "
+           "reloaded bytes live then (benchmarks/peak_trace.py); JSON 'peak_trace'")
     a("--profile-steps", type=int, nargs=2, default=None, metavar=("FIRST", "LAST"),
       help="torch.profiler trace of these steps (inclusive), summarised by trace_analysis.py")
     a("--alternate-offload", action="store_true",
@@ -402,6 +406,7 @@ def main(argv=None) -> int:
         gc.collect()
         gc.disable()
     peak_step1, at_peak = None, None
+    peak_trace: Any = None
     allocator: dict[str, list[int]] = {key: [] for key in ALLOCATOR_COUNTERS}
     prof = None
     audit = None
@@ -433,6 +438,11 @@ def main(argv=None) -> int:
                 from mcore_offload.summary import get_summary
 
                 get_summary().track_peak(peak_reader(device))
+            if args.peak_trace:
+                from peak_trace import PeakTrace
+
+                peak_trace = PeakTrace(device)
+                peak_trace.start()
         if breakdown is not None and step == args.warmup_steps:
             breakdown.recording = True
         data = batches(args, step, device)
@@ -470,6 +480,8 @@ def main(argv=None) -> int:
             write_profile(prof, args, rank)
             prof = None
         if cuda and step == peak_step:
+            if peak_trace is not None:
+                peak_trace = peak_trace.stop()
             peak_step1 = torch.cuda.max_memory_allocated()
             if ours:
                 get_summary().stop_tracking_peak()
@@ -500,6 +512,7 @@ def main(argv=None) -> int:
         "step_ms": step_ms, "step_ms_median": statistics.median(timed), "timed_steps": len(timed),
         "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
         "peak_bytes_step1": peak_step1, "peak_step": peak_step,
+        "peak_trace": peak_trace if isinstance(peak_trace, dict) else None,
         "allocated_after_step": allocated_after, "eval_losses": eval_losses,
         "versions": versions(),
         "device": torch.cuda.get_device_name() if cuda else "cpu",

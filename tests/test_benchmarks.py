@@ -332,3 +332,26 @@ def test_dma_load_copies_at_every_layer_but_each_chunks_last_in_active_steps_onl
 
     assert copies == [(10, DEVICE_TO_HOST)] * 2 + [(20, HOST_TO_DEVICE)] * 2
     assert load.calls == {"fwd": 2, "bwd": 2}
+
+
+def test_peak_trace_finds_the_peak_and_the_reloaded_bytes_live_then():
+    """The replay starts from the bytes allocated before the trace, honours delayed frees (free_completed), and
+    counts live reload allocations by their source file."""
+    from peak_trace import analyse
+
+    ours = [{"filename": "/x/mcore_offload/runtime/transport.py", "line": 520, "name": "to_device"}]
+    model = [{"filename": "/y/site-packages/megatron/core/transformer/mlp.py", "line": 10, "name": "forward"}]
+    events = [
+        {"action": "alloc", "addr": 1, "size": 100, "frames": ours},
+        {"action": "alloc", "addr": 2, "size": 50, "frames": model},
+        {"action": "free_requested", "addr": 2, "size": 50, "frames": model},  # still counted until completed
+        {"action": "alloc", "addr": 3, "size": 30, "frames": model},  # the peak: 1000 + 100 + 50 + 30
+        {"action": "free_completed", "addr": 2, "size": 50, "frames": model},
+        {"action": "free_completed", "addr": 1, "size": 100, "frames": ours},
+        {"action": "alloc", "addr": 4, "size": 120, "frames": model},  # 1000 + 30 + 120: below the peak
+    ]
+    r = analyse(events, base=1000)
+    assert r["peak_bytes"] == 1180 and r["peak_event_index"] == 3 and r["peak_alloc_bytes"] == 30
+    assert r["live_reload_bytes"] == {"ours_reload": 100, "native_reload": 0}
+    assert r["peak_alloc_where"] == ["megatron/core/transformer/mlp.py:10 forward"]
+    assert analyse([], base=7)["peak_bytes"] == 7

@@ -214,6 +214,7 @@ class ChunkOffloadHandler(HandlerBase):
         self.finished = False
         self.layers = 0  # transformer layers started in this chunk's forward
         self.reload_bursts = 0  # reload bursts _prefetch started in this chunk's backward
+        self.last_layer_left = False  # its last layer's attention groups left at the MLP's start (mlp_boundary)
         self.marks = None  # auto probe: clock marks of this forward (see runtime/auto.py)
         # TE attributes that inherited code may read
         self.current_group, self.tensor_count_current_group = 0, 0
@@ -315,9 +316,14 @@ class ChunkOffloadHandler(HandlerBase):
             self.pending.append(group)
         self.current_group += 1
 
-    def flush(self) -> None:
-        """Start D2H for every pending group and drop our device references (TE: bulk offload)."""
-        groups, self.pending = self.pending, []
+    def flush(self, hold: str | None = None) -> None:
+        """Start D2H for every pending group and drop our device references (TE: bulk offload); groups of point
+        ``hold`` stay pending."""
+        if hold is None:
+            groups, self.pending = self.pending, []
+        else:
+            groups = [g for g in self.pending if hold not in g.points]
+            self.pending = [g for g in self.pending if hold in g.points]
         if not groups or self.finished:
             return
         by_storage: dict[int, tuple[torch.UntypedStorage, list[SavedRef]]] = {}
@@ -425,7 +431,8 @@ class ChunkOffloadHandler(HandlerBase):
         if group.index <= 0:
             return
         needed: list[Entry] = []
-        reach = group.layer - 1
+        late = self.manager.prefetch == "late"
+        reach = group.layer if late else group.layer - 1
         for prev in reversed(self.groups[: group.index]):
             if prev.layer < reach:
                 break
@@ -435,7 +442,7 @@ class ChunkOffloadHandler(HandlerBase):
             return
         runs = [needed]  # one per layer, each with its own done event: a layer waits for its own copies only
         k = self.manager.reload_layers
-        if k > 1 and self.reload_bursts:
+        if k > 1 and self.reload_bursts and not late:
             layer = reach
             for prev in reversed(self.groups[: group.index]):
                 if prev.layer >= reach:
@@ -448,6 +455,21 @@ class ChunkOffloadHandler(HandlerBase):
                 runs[-1].extend(prev.entries)  # _reload skips what is resident or shared
         self.reload_bursts += 1
         self._reload(*runs)
+
+    def _prefetch_layer_below(self, group: Group) -> None:
+        """``MCORE_OFFLOAD_PREFETCH=late``: the layer's first group is done, so its storages go as the layer
+        below's come back (upstream's moment): the reload hides behind that layer's MLP backward only, and the
+        device never holds two layers' groups at once."""
+        layer = self.groups[group.index - 1].layer
+        needed: list[Entry] = []
+        for prev in reversed(self.groups[: group.index]):
+            if prev.layer < layer:
+                break
+            if not prev.done:
+                needed.extend(e for e in prev.entries if e.device_storage is None and e.host is not None)
+        if needed:
+            self.reload_bursts += 1
+            self._reload(needed)
 
     def bulk_reload_group(self, group_to_reload: Any) -> None:
         """TE's name: start the reload of one group."""
@@ -512,6 +534,8 @@ class ChunkOffloadHandler(HandlerBase):
                 entry.device_storage = None
         if group.index >= 0:  # one of self.groups (a group that saved nothing was never committed there)
             self.groups_done += 1
+            if self.manager.prefetch == "late" and group.index > 0 and self.groups[group.index - 1].layer < group.layer:
+                self._prefetch_layer_below(group)
         if self.groups_done == len(self.groups):
             self.finish()
 
