@@ -11,6 +11,7 @@ from test_runtime_unit import Toy, cfg, train_step
 from mcore_offload.runtime import manager as manager_module
 from mcore_offload.runtime import transport as transport_module
 from mcore_offload.runtime.manager import flush_layers_from_env, get_manager, reload_layers_from_env
+from mcore_offload.runtime.points import step_boundary as points_step_boundary
 from mcore_offload.summary import get_summary
 
 
@@ -275,3 +276,58 @@ def test_a_bad_reload_layers_value_is_one_clear_sentence(monkeypatch):
     monkeypatch.setenv("MCORE_OFFLOAD_RELOAD_LAYERS", "0")
     with pytest.raises(ValueError, match=r"MCORE_OFFLOAD_RELOAD_LAYERS=.* is not a positive integer; set it to 1"):
         reload_layers_from_env()
+
+
+@points_step_boundary
+def _forward_all_then_backward(model, inputs):
+    """Every microbatch's forward, then the backwards, last first: only the last microbatch turns around."""
+    losses = [model(x) for x in inputs]
+    for loss in reversed(losses):
+        loss.backward()
+    return [loss.detach() for loss in losses]
+
+
+@pytest.mark.parametrize("mode", ["layer", "tail", "late"])
+def test_prefetch_mode_sets_when_the_layer_below_comes_back_with_equal_values(monkeypatch, mode):
+    """MCORE_OFFLOAD_PREFETCH: ``layer`` reloads the layer below when a layer's backward starts; ``late`` when it is
+    done; ``tail`` late only in the last layer of a chunk that did not turn around (under PP, where the peak is)."""
+    from mcore_offload.runtime.handler import ChunkOffloadHandler
+
+    def values(names):
+        model = Toy(cfg(*names), layers=4)
+        out = []
+        for step in range(2):
+            model.zero_grad()
+            inputs = [torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * step + i)) for i in range(2)]
+            out.append((_forward_all_then_backward(model, inputs), [p.grad.clone() for p in model.parameters()]))
+        return out
+
+    base = values([])
+    manager_module.reset()
+    monkeypatch.setenv("MCORE_OFFLOAD_PREFETCH", mode)
+    seen: list[tuple[int, int, bool, bool]] = []  # (microbatch, layer, kept, layer below resident) at each done
+    real = ChunkOffloadHandler.on_group_backward_done
+
+    def recorded(self, group):
+        below = [e for g in self.groups if g.layer == group.layer - 1 for e in g.entries]
+        seen.append((self.microbatch, group.layer, self.groups[-1].kept_on_device,
+                     any(e.device_storage is not None for e in below)))
+        return real(self, group)
+
+    monkeypatch.setattr(ChunkOffloadHandler, "on_group_backward_done", recorded)
+    got = values(["core_attn"])
+    for (l0, g0), (l1, g1) in zip(base, got):
+        assert all(torch.equal(a, b) for a, b in zip(l0, l1)) and all(torch.equal(a, b) for a, b in zip(g0, g1))
+    for mb, layer, kept, resident in seen:
+        if layer == 1:  # layers count from 1; the first has none below
+            continue
+        late = mode == "late" or (mode == "tail" and layer == 4 and not kept)
+        assert resident == (not late), (mb, layer, kept, mode)
+    # microbatch 0 did not turn around (microbatch 1 ran in between); microbatch 1 did
+    assert {(mb, kept) for mb, layer, kept, _ in seen} == {(0, False), (1, True)}
+
+
+def test_a_bad_prefetch_value_is_one_clear_sentence(monkeypatch):
+    monkeypatch.setenv("MCORE_OFFLOAD_PREFETCH", "early")
+    with pytest.raises(ValueError, match=r"MCORE_OFFLOAD_PREFETCH='early' is not one of layer, tail, late; unset it"):
+        manager_module.OffloadManager()

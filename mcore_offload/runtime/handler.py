@@ -214,7 +214,6 @@ class ChunkOffloadHandler(HandlerBase):
         self.finished = False
         self.layers = 0  # transformer layers started in this chunk's forward
         self.reload_bursts = 0  # reload bursts _prefetch started in this chunk's backward
-        self.last_layer_left = False  # its last layer's attention groups left at the MLP's start (mlp_boundary)
         self.marks = None  # auto probe: clock marks of this forward (see runtime/auto.py)
         # TE attributes that inherited code may read
         self.current_group, self.tensor_count_current_group = 0, 0
@@ -316,14 +315,9 @@ class ChunkOffloadHandler(HandlerBase):
             self.pending.append(group)
         self.current_group += 1
 
-    def flush(self, hold: str | None = None) -> None:
-        """Start D2H for every pending group and drop our device references (TE: bulk offload); groups of point
-        ``hold`` stay pending."""
-        if hold is None:
-            groups, self.pending = self.pending, []
-        else:
-            groups = [g for g in self.pending if hold not in g.points]
-            self.pending = [g for g in self.pending if hold in g.points]
+    def flush(self) -> None:
+        """Start D2H for every pending group and drop our device references (TE: bulk offload)."""
+        groups, self.pending = self.pending, []
         if not groups or self.finished:
             return
         by_storage: dict[int, tuple[torch.UntypedStorage, list[SavedRef]]] = {}
@@ -431,7 +425,7 @@ class ChunkOffloadHandler(HandlerBase):
         if group.index <= 0:
             return
         needed: list[Entry] = []
-        late = self.manager.prefetch == "late"
+        late = self._late(group.layer)
         reach = group.layer if late else group.layer - 1
         for prev in reversed(self.groups[: group.index]):
             if prev.layer < reach:
@@ -456,10 +450,27 @@ class ChunkOffloadHandler(HandlerBase):
         self.reload_bursts += 1
         self._reload(*runs)
 
+    def _late(self, layer: int) -> bool:
+        """Whether the layer below ``layer`` reloads only once ``layer``'s backward is done (MCORE_OFFLOAD_PREFETCH).
+
+        ``layer`` (default): when ``layer``'s backward starts, so the reload hides behind the whole backward of
+        ``layer``'s attention and of the MLP below. ``late``: always at the end (upstream's moment), behind that MLP
+        backward only: the device never holds two layers' groups at once. ``tail``: late in the chunk's last layer
+        when it came back from the host (the chunk did not turn around), where under pipeline parallelism the
+        step's peak is reached: the first attention backward of a chunk that waited while other chunks ran forward
+        (allocator trace on 2x H200, PP=2 x VPP=2, session 15); ``layer`` everywhere else.
+        """
+        mode = self.manager.prefetch
+        if mode == "layer":
+            return False
+        if mode == "late":
+            return True
+        last = self.groups[-1]
+        return layer == last.layer and not last.kept_on_device
+
     def _prefetch_layer_below(self, group: Group) -> None:
-        """``MCORE_OFFLOAD_PREFETCH=late``: the layer's first group is done, so its storages go as the layer
-        below's come back (upstream's moment): the reload hides behind that layer's MLP backward only, and the
-        device never holds two layers' groups at once."""
+        """The layer's first group is done (a late prefetch, see :meth:`_late`): its storages go as the layer
+        below's come back."""
         layer = self.groups[group.index - 1].layer
         needed: list[Entry] = []
         for prev in reversed(self.groups[: group.index]):
@@ -534,7 +545,7 @@ class ChunkOffloadHandler(HandlerBase):
                 entry.device_storage = None
         if group.index >= 0:  # one of self.groups (a group that saved nothing was never committed there)
             self.groups_done += 1
-            if self.manager.prefetch == "late" and group.index > 0 and self.groups[group.index - 1].layer < group.layer:
+            if group.index > 0 and self.groups[group.index - 1].layer < group.layer and self._late(group.layer):
                 self._prefetch_layer_below(group)
         if self.groups_done == len(self.groups):
             self.finish()

@@ -97,8 +97,6 @@ def choice_env(name: str, default: str, choices: tuple[str, ...]) -> str:
     return value
 
 
-#: where a layer's attention groups leave the device (``MCORE_OFFLOAD_FLUSH_AT``; see mlp_boundary)
-DEFAULT_FLUSH_AT = "mlp"
 #: when backward starts reloading the layer below (``MCORE_OFFLOAD_PREFETCH``; see handler._prefetch)
 DEFAULT_PREFETCH = "layer"
 
@@ -145,8 +143,7 @@ class OffloadManager:
         self.node_hooks = os.environ.get("MCORE_OFFLOAD_NODE_HOOKS", "1") != "0"
         self.flush_layers = flush_layers_from_env()
         self.reload_layers = reload_layers_from_env()
-        self.flush_at = choice_env("MCORE_OFFLOAD_FLUSH_AT", DEFAULT_FLUSH_AT, ("mlp", "layer"))
-        self.prefetch = choice_env("MCORE_OFFLOAD_PREFETCH", DEFAULT_PREFETCH, ("layer", "late"))
+        self.prefetch = choice_env("MCORE_OFFLOAD_PREFETCH", DEFAULT_PREFETCH, ("layer", "tail", "late"))
         self.host_memory = host_memory_kind()  # a bad MCORE_OFFLOAD_HOST_MEMORY fails here, before any step
         # vp_stage -> the layers its chunk ran in its last finished forward (layer_boundary aligns bursts to it)
         self._chunk_layers: dict[int | None, int] = {}
@@ -245,7 +242,7 @@ class OffloadManager:
         kept = self._kept_before
         if kept is not None and (handler.vp_stage, handler.microbatch) not in kept:
             self.close_chain()
-            if handler.pending or handler.last_layer_left:
+            if handler.pending:
                 handler.flush()
                 self.early_flushes += 1
         # The output layer and the loss come next, often the step's peak: copied blocks must not wait for the
@@ -280,37 +277,7 @@ class OffloadManager:
                     self.auto.peak_check(self._peak_reader(), live)
             self.summary.runtime_ns += perf_counter_ns() - t0
 
-    def mlp_boundary(self, handler: ChunkOffloadHandler) -> None:
-        """A layer's MLP starts and attention groups of it are pending: copy them out now if the next layer's start
-        would (``MCORE_OFFLOAD_FLUSH_AT=mlp``, the default).
-
-        Attention's saved tensors are complete once ``SelfAttention.forward`` has returned (its locals, which hold
-        the q/k/v storages, are gone), and the MLP's activations are often the layer's largest: copied at the next
-        layer's start, a layer's attention groups were still on the device through its own MLP and, held until
-        the next copy burst saw them done, through the next layer's attention too. Under pipeline parallelism that
-        was one more layer of them on the device at the peak than upstream's native offloading keeps (2x H200,
-        PP=2 x VPP=2, session 15). A chunk's last layer whose backward comes right after its forward stays.
-        """
-        if _in_backward():
-            return
-        t0 = perf_counter_ns()
-        nxt = handler.layers + 1
-        expected = self._chunk_layers.get(handler.vp_stage)
-        if expected is None:  # the chunk's first forward: its layer count (which layer is last) is not known yet
-            return
-        if nxt > expected:  # the chunk's last layer: as end_chunk decides
-            kept = self._kept_before
-            due = handler.last_layer_left = kept is not None and (handler.vp_stage, handler.microbatch) not in kept
-        else:
-            due = self._flush_due(handler, nxt)
-        if due:
-            self.close_chain()
-            # attn_norm's input is the layer's input, which TransformerLayer.forward still holds: it leaves at the
-            # next layer's start
-            handler.flush(hold="attn_norm")
-        self.summary.runtime_ns += perf_counter_ns() - t0
-
-    def _flush_due(self, handler: ChunkOffloadHandler, layers: int | None = None) -> bool:
+    def _flush_due(self, handler: ChunkOffloadHandler) -> bool:
         """Whether the layer starting now copies the pending groups out.
 
         Every copy burst costs the same few CUDA calls (a fence, a cross-stream wait, a done event, a completion
@@ -322,10 +289,9 @@ class OffloadManager:
         """
         k = self.flush_layers
         expected = self._chunk_layers.get(handler.vp_stage)
-        n = handler.layers if layers is None else layers
-        if k == 1 or expected is None or handler.marks is not None or n >= expected - 1:
+        if k == 1 or expected is None or handler.marks is not None or handler.layers >= expected - 1:
             return True
-        return (expected - 1 - n) % k == 0
+        return (expected - 1 - handler.layers) % k == 0
 
     def point_saved_nothing(self, name: str, rejected: dict[str, int]) -> None:
         """Point ``name``'s block ended without a tensor to offload (``rejected``: why its saved tensors stay)."""

@@ -165,8 +165,6 @@ def offload(name: str | None, config: Any, tensor: torch.Tensor) -> contextlib.A
     if manager is None or manager.forward_handler is None:
         return _Passthrough(tensor)
     forward = manager.forward_handler
-    if name == "mlp_norm" and forward.pending and manager.flush_at == "mlp":  # attention's groups can leave now
-        manager.mlp_boundary(forward)
     if config is forward.config and name not in forward.enabled_points:  # a point this config never enables
         return _Passthrough(tensor)
     handler = manager.handler_for(config, name)
