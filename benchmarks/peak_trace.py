@@ -6,6 +6,10 @@ allocation that set the peak (its Python frames: forward or backward, which modu
 moment that a reload allocated (ours: ``mcore_offload/runtime/transport.py``; upstream's native offloading:
 ``fine_grained_activation_offload.py``), so two runs that differ in Δpeak can be told apart by moment and by
 what each kept on the device.
+
+The replay locates the peak; it does not measure it. On 2x H200 (session 15) its peak differed from the
+allocator's maximum (``max_memory_allocated``, also in the JSON) by -128 to +768 MiB, most with upstream's native
+offloading, whose forced releases free storages through ``resize_(0)`` after ``record_stream``.
 """
 
 from __future__ import annotations

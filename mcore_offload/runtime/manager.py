@@ -98,7 +98,7 @@ def choice_env(name: str, default: str, choices: tuple[str, ...]) -> str:
 
 
 #: when backward starts reloading the layer below (``MCORE_OFFLOAD_PREFETCH``; see handler._prefetch)
-DEFAULT_PREFETCH = "layer"
+DEFAULT_PREFETCH = "tail"
 
 
 def reload_layers_from_env() -> int:
