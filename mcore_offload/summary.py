@@ -59,6 +59,10 @@ class OffloadSummary:
     # Offloaded bytes with no device copy (released, not yet reloaded): what offloading takes off the peak.
     off_device_bytes: int = 0
     off_device_at_peak_bytes: int = 0  # their value when the device peak was reached (see track_peak)
+    # track_peak(by_key=True): off-device bytes per entry key (auto's measured step: (vp_stage, layer, point)), and
+    # their values when the device peak was reached
+    off_by_key: dict[Any, int] | None = None
+    off_by_key_at_peak: dict[Any, int] | None = None
     _current: dict[str, dict[str, int]] = field(default_factory=_new_points)
     _peak_reader: Callable[[], int] | None = None
     _allocations_seen: int = 0
@@ -72,11 +76,13 @@ class OffloadSummary:
         self.host_resident_bytes += delta
         self.host_resident_peak_bytes = max(self.host_resident_peak_bytes, self.host_resident_bytes)
 
-    def off_device(self, delta: int) -> None:
+    def off_device(self, delta: int, key: Any = None) -> None:
         self._probe_peak()
         self.off_device_bytes += delta
+        if self.off_by_key is not None and key is not None:
+            self.off_by_key[key] = self.off_by_key.get(key, 0) + delta
 
-    def track_peak(self, read_peak: Callable[[], int]) -> None:
+    def track_peak(self, read_peak: Callable[[], int], by_key: bool = False) -> None:
         """Attribute the device peak: call right after resetting the allocator's peak statistic.
 
         ``off_device_bytes`` only changes at our own release / reload events, so reading the peak at each
@@ -86,16 +92,21 @@ class OffloadSummary:
         self._peak_reader = read_peak
         self._last_peak = read_peak()
         self.off_device_at_peak_bytes = self.off_device_bytes
+        self.off_by_key = {} if by_key else None
+        self.off_by_key_at_peak = {} if by_key else None
 
     def stop_tracking_peak(self) -> None:
         self._probe_peak()
         self._peak_reader = None
+        self.off_by_key = None  # off_by_key_at_peak stays for the caller
 
     def _probe_peak(self) -> None:
         if self._peak_reader is not None:
             peak = self._peak_reader()
             if peak > self._last_peak:
                 self._last_peak, self.off_device_at_peak_bytes = peak, self.off_device_bytes
+                if self.off_by_key is not None:
+                    self.off_by_key_at_peak = {k: v for k, v in self.off_by_key.items() if v > 0}
 
     def step_has_activity(self) -> bool:
         return bool(self._current)

@@ -121,6 +121,43 @@ def test_a_launch_bound_step_gets_the_most_bytes_its_host_budget_buys_next_to_th
     assert "host time 8.8 of 10.0 ms/step budget" in plan.describe()
 
 
+def test_under_pp_a_unit_that_is_back_on_the_device_at_the_traced_peak_is_never_chosen():
+    """Two chunks that do not turn around (PP): the probe's trace says each chunk's last layer was back on the
+    device at the peak (2x H200, session 15: the plan that took those layers saved 0 MiB on rank 0)."""
+    profiles = {}
+    for vp in (0, 1):
+        prof = profile(4, 5.0, {CA: 40 * MiB})
+        # layers 1-3 off in 5 and 4 microbatches at the peak; layer 4 reloaded as the chunk's backward started
+        prof.peak_bytes = {(i, CA): (5 - vp) * 40 * MiB for i in range(1, 4)}
+        profiles[vp] = prof
+    host = HostCost(exposure=1.0, group_ms=1.0, budget_ms=8.0, microbatches={0: 4, 1: 4})
+    plan = choose(profiles, link_GBps=1000.0, host=host)
+    chosen = {k for k, v in plan.points.items() if v}
+    # 4 ms per unit: two fit; chunk 0's layers save more (5 microbatches in flight), the later layer first
+    assert chosen == {(0, 3), (0, 2)}
+    assert plan.expected_saving_bytes == 2 * 5 * 40 * MiB
+    # without a trace (CPU) the last layer ranks first, as before
+    for prof in profiles.values():
+        prof.peak_bytes = None
+    assert (0, 4) in {k for k, v in choose(profiles, link_GBps=1000.0, host=host).points.items() if v}
+
+
+def test_the_traced_peak_keeps_per_key_off_device_bytes_as_they_were_when_the_peak_rose():
+    summary = type(get_summary())()
+    peaks = iter([100, 100, 150, 150, 120, 200, 200])
+    summary.track_peak(lambda: next(peaks), by_key=True)  # reads 100
+    summary.off_device(+10, ("a", 1, "core_attn"))  # peak 100: no rise
+    summary.off_device(+20, ("a", 2, "core_attn"))  # 150: rose while only layer 1 was off
+    summary.off_device(-10, ("a", 1, "core_attn"))  # 150
+    summary.off_device(+5, ("a", 3, "qkv_linear"))  # 120 (the statistic never falls; a stand-in)
+    summary.off_device(+7, None)  # 200: rose with layers 2 and 3 off; a key-less entry counts in the total only
+    assert summary.off_by_key_at_peak == {("a", 2, "core_attn"): 20, ("a", 3, "qkv_linear"): 5}
+    assert summary.off_device_at_peak_bytes == 25
+    summary.stop_tracking_peak()  # reads 200: no rise
+    assert summary.off_by_key is None and summary.off_by_key_at_peak == {("a", 2, "core_attn"): 20,
+                                                                         ("a", 3, "qkv_linear"): 5}
+
+
 def test_a_step_whose_gpu_queue_hides_host_time_offloads_everything_the_link_allows():
     prof = profile(8, 5.0, {CA: 40 * MiB, QKV: 30 * MiB})
     hidden_host = choose({None: prof}, link_GBps=1000.0, host=launch_bound(0.0, 1.0, 10.0))

@@ -7,11 +7,12 @@ How: the first :data:`PROBE_STEPS` training steps offload every point (so the pr
 of memory) and measure, in the last of them, each layer's forward time on the compute stream (timing
 events at layer boundaries: real time on the GPU's timeline, launch gaps included, which is the window the
 copy engine has), the bytes each point's storages take per layer, the D2H throughput the link achieved,
-and the peak with the bytes that were off the device at that moment. At the end of that step
-:func:`choose` picks the units (a point, or core_attn with attn_proj, which share attention's output)
-greedily, keeping each one only if a simulated copy queue still finishes every layer's copies before the
-layer after next starts. Steps after that offload the chosen (chunk, layer, point) only. The plan is logged
-once per rank.
+and the peak with the bytes of each (chunk, layer, point) that were off the device at that moment (a unit that
+was back on the device then saves nothing: under pipeline parallelism, a chunk's last layer). At the end of that
+step :func:`choose` picks the units (a point, or core_attn with attn_proj, which share attention's output)
+greedily, most peak bytes first, keeping each one only if a simulated copy queue still finishes every layer's
+copies before the layer after next starts. Steps after that offload the chosen (chunk, layer, point) only. The
+plan is logged once per rank.
 
 Host time is a cost too. Where the step is launch-bound (the GPU has caught up with the host: at a layer's
 start the previous layer's start mark has already run on the GPU), every microsecond the runtime spends on
@@ -148,6 +149,15 @@ class ChunkProfile:
     # (layer, unit) whose groups stayed on the device (backward came before any flush: the chunk's last
     # layer at PP=1). They cost no link time, and their backward is what starts the first prefetch.
     kept: set[tuple[int, tuple[str, ...]]] = field(default_factory=set)
+    # (layer, unit) -> its bytes off the device when the probe's peak was reached, over all microbatches; None
+    # where the peak was not traced (the CPU): then a unit's saving is its bytes times live_at_peak
+    peak_bytes: dict[tuple[int, tuple[str, ...]], int] | None = None
+
+    def saving(self, layer: int, unit: tuple[str, ...], nbytes: int) -> int:
+        """What offloading ``unit`` in ``layer`` takes off this rank's peak (``nbytes``: one microbatch's)."""
+        if self.peak_bytes is None:
+            return nbytes * self.live_at_peak
+        return self.peak_bytes.get((layer, unit), 0)
 
 
 @dataclass
@@ -270,8 +280,10 @@ def choose(profiles: dict[Any, ChunkProfile], link_GBps: float, need_bytes: int 
     """Pick units per (chunk, layer); see the module docstring. ``need_bytes``: the peak saving to reach;
     ``host``: the probe's host-time model (None: host time is not counted, as on the CPU)."""
     rate = link_GBps * LINK_MARGIN * 1e6  # bytes per ms
+    # A unit that was back on the device (or not yet off it) when the probe's peak was reached saves nothing
+    # there: under pipeline parallelism, a chunk's last layer, reloaded as its backward starts.
     remaining = [(nbytes, vp, layer, unit) for vp, p in profiles.items()
-                 for (layer, unit), nbytes in p.unit_bytes.items() if nbytes > 0]
+                 for (layer, unit), nbytes in p.unit_bytes.items() if nbytes > 0 and p.saving(layer, unit, nbytes) > 0]
     chosen: dict[Any, dict[int, int]] = {vp: {} for vp in profiles}
     families: set[tuple[Any, int, str]] = set()
     picked: list[tuple[int, Any, int, tuple[str, ...]]] = []
@@ -281,11 +293,15 @@ def choose(profiles: dict[Any, ChunkProfile], link_GBps: float, need_bytes: int 
         _, vp, layer, unit = item
         return 0.0 if host is None else host.unit_ms(vp, unit, joined=(vp, layer, _family(unit)) in families)
 
+    def value(item: tuple) -> int:
+        nbytes, vp, layer, unit = item
+        return profiles[vp].saving(layer, unit, nbytes)
+
     def rank(item: tuple) -> tuple:
-        # most bytes per exposed host ms first; then the larger unit; then the later layer (next to the chunk's
-        # turnaround, so that each chosen layer's backward prefetches the one before it)
-        c = cost(item)
-        return (item[0] / c if c > 0 else float("inf"), item[0], item[2], str(item[1]))
+        # most peak bytes per exposed host ms first; then the larger saving; then the later layer (next to the
+        # chunk's turnaround, so that each chosen layer's backward prefetches the one before it)
+        c, v = cost(item), value(item)
+        return (v / c if c > 0 else float("inf"), v, item[2], str(item[1]))
 
     spent = 0.0 if host is None else _kept_ms(host, profiles)  # the first pick brings the kept units along
     while remaining:
@@ -304,7 +320,7 @@ def choose(profiles: dict[Any, ChunkProfile], link_GBps: float, need_bytes: int 
             exposed.append(item)
 
     def saving(sel: list) -> int:
-        return sum(n * profiles[vp].live_at_peak for n, vp, _, _ in sel)
+        return sum(map(value, sel))
 
     hidden, note = True, ""
     if need_bytes is not None:
@@ -391,14 +407,23 @@ class AutoPlanner:
 
     # ----------------------------------------------------------------------------------- planning
     def step_ended(self, elapsed: Any, link_GBps: float | None, peak_bytes: int | None,
-                   off_device_at_peak: int, runtime_ms: float = 0.0, chaining: bool = True) -> Plan | None:
+                   off_device_at_peak: int, runtime_ms: float = 0.0, chaining: bool = True,
+                   off_at_peak: dict[tuple[Any, int, str], int] | None = None) -> Plan | None:
         """End of a training step; at the end of the probe, build the plan (``elapsed_ms(a, b)`` reads marks;
-        ``runtime_ms``: the runtime's host time in the step)."""
+        ``runtime_ms``: the runtime's host time in the step; ``off_at_peak``: (vp_stage, layer, point) -> bytes off
+        the device when the step's peak was reached, None where it was not traced)."""
         self.steps += 1
         if self.plan is not None or self.steps < PROBE_STEPS:
             return None
         wall_ms = (time.perf_counter() - self._probe_t0) * 1e3 if self._probe_t0 is not None else 0.0
         profiles = self._profiles(elapsed)
+        if off_at_peak is not None:
+            for prof in profiles.values():
+                prof.peak_bytes = {}
+            for (vp, layer, point), nbytes in off_at_peak.items():
+                if vp in profiles:
+                    key = (layer, unit_of(point))
+                    profiles[vp].peak_bytes[key] = profiles[vp].peak_bytes.get(key, 0) + nbytes
         checks = sum(m.checks for m in self._marks)
         exposure = sum(m.caught_up for m in self._marks) / checks if checks else None
         microbatches: dict[Any, int] = defaultdict(int)

@@ -54,7 +54,7 @@ class Entry:
     """One offloaded storage (slots: one is made per storage and flush, on the hot path)."""
 
     __slots__ = ("point", "nbytes", "host", "d2h_event", "device_storage", "h2d_event", "h2d_seq", "compute_waited",
-                 "users", "storage_ref", "off_device", "device_ptr")
+                 "users", "storage_ref", "off_device", "device_ptr", "peak_key")
 
     def __init__(self, point: str, nbytes: int, host: torch.Tensor | None, d2h_event: Any, device_ptr: int = 0) -> None:
         self.point = point
@@ -69,6 +69,7 @@ class Entry:
         self.storage_ref: Any = None  # weakref to the original device storage
         self.off_device = False  # the original storage is freed and no reloaded copy exists yet
         self.device_ptr = device_ptr  # the original storage's address (audits: never a parameter's or a workspace's)
+        self.peak_key: Any = None  # auto's measured step: (vp_stage, layer, point), for what is off at the peak
 
 
 class SavedRef:
@@ -353,7 +354,8 @@ class ChunkOffloadHandler(HandlerBase):
             entry.storage_ref = weakref.ref(st, self._released_callback(ptr, entry))
             self.live[ptr] = entry
             self.manager.on_offloaded(entry)
-            if self.manager.auto is not None:
+            if self.manager.auto is not None and self.manager.auto.measuring:
+                entry.peak_key = (self.vp_stage, refs[0].group.layer, entry.point)
                 self.manager.auto.offloaded(self.vp_stage, self.microbatch, refs[0].group.layer, entry.point,
                                             entry.nbytes)
             self._attach(entry, refs)

@@ -216,12 +216,13 @@ class OffloadManager:
         self.forward_handler = handler
         self._trained = True
         if self.auto is not None and self.auto.measuring:
-            if not self._measuring_started and self.auto.target_gib is not None and device.type == "cuda":
-                # The target needs this step's peak and what was off the device then (documented side
-                # effect: the allocator's peak statistic is reset once, here).
+            if not self._measuring_started and device.type == "cuda":
+                # The plan needs this step's peak and which groups were off the device then: under pipeline
+                # parallelism a chunk's last layer is back on the device at the peak, and offloading it saves
+                # nothing there (documented side effect: the allocator's peak statistic is reset once, here).
                 torch.cuda.reset_peak_memory_stats(device)
                 self._peak_reader = functools.partial(torch.cuda.max_memory_allocated, device)
-                self.summary.track_peak(self._peak_reader)
+                self.summary.track_peak(self._peak_reader, by_key=True)
             self._measuring_started = True
             handler.marks = self.auto.chunk_started(vp_stage)
             telemetry = handler.transport.telemetry
@@ -388,7 +389,7 @@ class OffloadManager:
             if link is None:  # CPU: copies are memcpy, never the limit
                 link = 1000.0
         return self.auto.step_ended(elapsed_ms, link, peak, self.summary.off_device_at_peak_bytes, runtime_ms,
-                                    self.chaining)
+                                    self.chaining, self.summary.off_by_key_at_peak if peak is not None else None)
 
     # ------------------------------------------------------------------------------------ counters
     def on_offloaded(self, entry: Entry) -> None:
@@ -402,7 +403,7 @@ class OffloadManager:
                          entry.nbytes)
         if entry.host is not None and entry.device_storage is None:
             entry.off_device = True
-            self.summary.off_device(+entry.nbytes)
+            self.summary.off_device(+entry.nbytes, entry.peak_key)
 
     def on_reloaded(self, entry: Entry, on_demand: bool = False) -> None:
         self.summary.add(entry.point, "reloaded", entry.nbytes)
@@ -417,7 +418,7 @@ class OffloadManager:
     def _back_on_device(self, entry: Entry) -> None:
         if entry.off_device:
             entry.off_device = False
-            self.summary.off_device(-entry.nbytes)
+            self.summary.off_device(-entry.nbytes, entry.peak_key)
 
     def on_skipped(self, point: str, nbytes: int) -> None:
         self.summary.add(point, "skipped_aliased", nbytes)
