@@ -136,6 +136,11 @@ def test_under_pp_a_unit_that_is_back_on_the_device_at_the_traced_peak_is_never_
     # 4 ms per unit: two fit; chunk 0's layers save more (5 microbatches in flight), the later layer first
     assert chosen == {(0, 3), (0, 2)}
     assert plan.expected_saving_bytes == 2 * 5 * 40 * MiB
+    nothing = {vp: profile(4, 5.0, {CA: 40 * MiB}) for vp in (0, 1)}
+    for prof in nothing.values():
+        prof.peak_bytes = {}  # the peak rose before any group was off the device
+    empty = choose(nothing, link_GBps=1000.0, host=host)
+    assert not any(empty.points.values()) and "would not lower it" in empty.describe()
     # without a trace (CPU) the last layer ranks first, as before
     for prof in profiles.values():
         prof.peak_bytes = None

@@ -323,6 +323,9 @@ def choose(profiles: dict[Any, ChunkProfile], link_GBps: float, need_bytes: int 
         return sum(map(value, sel))
 
     hidden, note = True, ""
+    if not picked and not exposed and any(p.unit_bytes for p in profiles.values()):
+        note = ("no offloaded group was off the device when the measured step reached its peak: offloading would not "
+                "lower it")
     if need_bytes is not None:
         need = int(need_bytes * TARGET_MARGIN)
         if need <= 0:
