@@ -183,6 +183,14 @@ def validate_offload_config(config: Any) -> None:
     ensure_patched()
 
 
+def choice_env(name: str, default: str, choices: tuple[str, ...]) -> str:
+    """Environment variable ``name``, one of ``choices`` (``default`` when unset); anything else is one sentence."""
+    value = os.environ.get(name, default)
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not one of {', '.join(choices)}; unset it for the default ({default})")
+    return value
+
+
 def positive_int_env(name: str, default: int, advice: str) -> int:
     """Environment variable ``name`` as a positive int (``default`` when unset); a bad value is one clear sentence
     ending with ``advice`` (what to set instead)."""

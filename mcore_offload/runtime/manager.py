@@ -22,7 +22,13 @@ from typing import Any
 
 import torch
 
-from mcore_offload.config import OFFLOAD_MODULES, positive_int_env, recompute_conflicts, selectively_recomputed
+from mcore_offload.config import (
+    OFFLOAD_MODULES,
+    choice_env,
+    positive_int_env,
+    recompute_conflicts,
+    selectively_recomputed,
+)
 from mcore_offload.runtime.auto import AUTO, AutoPlanner, Plan, clock_mark, elapsed_ms, parse_auto
 from mcore_offload.runtime.handler import ChunkOffloadHandler, Entry, Group
 from mcore_offload.runtime.transport import host_memory_kind, reset_transports, settle_pools
@@ -89,15 +95,7 @@ def flush_layers_from_env() -> int:
 DEFAULT_RELOAD_LAYERS = 1
 
 
-def choice_env(name: str, default: str, choices: tuple[str, ...]) -> str:
-    """Environment variable ``name``, one of ``choices`` (``default`` when unset); anything else is one sentence."""
-    value = os.environ.get(name, default)
-    if value not in choices:
-        raise ValueError(f"{name}={value!r} is not one of {', '.join(choices)}; unset it for the default ({default})")
-    return value
-
-
-#: when backward starts reloading the layer below (``MCORE_OFFLOAD_PREFETCH``; see handler._prefetch)
+#: when backward starts reloading the layer below (``MCORE_OFFLOAD_PREFETCH``; see ChunkOffloadHandler._late)
 DEFAULT_PREFETCH = "tail"
 
 
