@@ -426,14 +426,9 @@ class ChunkOffloadHandler(HandlerBase):
         """
         if group.index <= 0:
             return
-        needed: list[Entry] = []
         late = self._late(group.layer)
         reach = group.layer if late else group.layer - 1
-        for prev in reversed(self.groups[: group.index]):
-            if prev.layer < reach:
-                break
-            if not prev.done:
-                needed.extend(e for e in prev.entries if e.device_storage is None and e.host is not None)
+        needed = self._on_host_down_to(group, reach)
         if not needed:
             return
         runs = [needed]  # one per layer, each with its own done event: a layer waits for its own copies only
@@ -473,16 +468,20 @@ class ChunkOffloadHandler(HandlerBase):
         last = self.groups[-1]
         return layer == last.layer and not last.kept_on_device
 
-    def _prefetch_layer_below(self, group: Group) -> None:
-        """The layer's first group is done (a late prefetch, see :meth:`_late`): its storages go as the layer
-        below's come back."""
-        layer = self.groups[group.index - 1].layer
+    def _on_host_down_to(self, group: Group, reach: int) -> list[Entry]:
+        """The entries still only on the host of the groups before ``group``, back to layer ``reach``."""
         needed: list[Entry] = []
         for prev in reversed(self.groups[: group.index]):
-            if prev.layer < layer:
+            if prev.layer < reach:
                 break
             if not prev.done:
                 needed.extend(e for e in prev.entries if e.device_storage is None and e.host is not None)
+        return needed
+
+    def _prefetch_layer_below(self, group: Group) -> None:
+        """The layer's first group is done (a late prefetch, see :meth:`_late`): its storages go as the layer
+        below's come back."""
+        needed = self._on_host_down_to(group, self.groups[group.index - 1].layer)
         if needed:
             self.reload_bursts += 1
             self._reload(needed)
