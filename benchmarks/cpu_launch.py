@@ -6,9 +6,16 @@ megatron-core 0.15.3 calls CUDA in a few places even on CPU; the test harness's 
 (``tests/harness/cpu_shims.py``) replace exactly those calls. They are test-only code, never used on a GPU.
 """
 
+import os
 import runpy
 import sys
 from pathlib import Path
+
+# The CPU smoke runs compare losses bit for bit between processes. MKL's GEMM may take code paths that depend on
+# memory alignment unless its reproducibility mode is strict (fixing the branch moved these losses' low bits here,
+# and CI saw rare step-0/1 differences in plain runs and offloaded runs alike; the strict mode is the remedy Intel
+# documents, not yet shown to remove them). Set before torch loads MKL; an explicit setting wins.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 root = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(root))
