@@ -406,7 +406,8 @@ def main(argv=None) -> int:
         gc.collect()
         gc.disable()
     peak_step1, at_peak = None, None
-    peak_trace: Any = None
+    tracer = None  # --peak-trace: a PeakTrace during the peak step
+    peak_trace: dict[str, Any] | None = None  # what it found
     allocator: dict[str, list[int]] = {key: [] for key in ALLOCATOR_COUNTERS}
     prof = None
     audit = None
@@ -441,8 +442,8 @@ def main(argv=None) -> int:
             if args.peak_trace:
                 from peak_trace import PeakTrace
 
-                peak_trace = PeakTrace(device)
-                peak_trace.start()
+                tracer = PeakTrace(device)
+                tracer.start()
         if breakdown is not None and step == args.warmup_steps:
             breakdown.recording = True
         data = batches(args, step, device)
@@ -480,8 +481,8 @@ def main(argv=None) -> int:
             write_profile(prof, args, rank)
             prof = None
         if cuda and step == peak_step:
-            if peak_trace is not None:
-                peak_trace = peak_trace.stop()
+            if tracer is not None:
+                peak_trace = tracer.stop()
             peak_step1 = torch.cuda.max_memory_allocated()
             if ours:
                 get_summary().stop_tracking_peak()
@@ -512,7 +513,7 @@ def main(argv=None) -> int:
         "step_ms": step_ms, "step_ms_median": statistics.median(timed), "timed_steps": len(timed),
         "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
         "peak_bytes_step1": peak_step1, "peak_step": peak_step,
-        "peak_trace": peak_trace if isinstance(peak_trace, dict) else None,
+        "peak_trace": peak_trace,
         "allocated_after_step": allocated_after, "eval_losses": eval_losses,
         "versions": versions(),
         "device": torch.cuda.get_device_name() if cuda else "cpu",

@@ -183,11 +183,13 @@ def validate_offload_config(config: Any) -> None:
     ensure_patched()
 
 
-def choice_env(name: str, default: str, choices: tuple[str, ...]) -> str:
-    """Environment variable ``name``, one of ``choices`` (``default`` when unset); anything else is one sentence."""
+def choice_env(name: str, default: str, choices: tuple[str, ...], advice: str | None = None) -> str:
+    """Environment variable ``name``, one of ``choices`` (``default`` when unset); anything else is one sentence,
+    ``"<name>=<value> is not "`` followed by ``advice`` (default: the choices, and to unset it)."""
     value = os.environ.get(name, default)
     if value not in choices:
-        raise ValueError(f"{name}={value!r} is not one of {', '.join(choices)}; unset it for the default ({default})")
+        raise ValueError(f"{name}={value!r} is not "
+                         + (advice or f"one of {', '.join(choices)}; unset it for the default ({default})"))
     return value
 
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import bisect
 import logging
-import os
 from collections import defaultdict, deque
 from collections.abc import Callable
 
 import torch
 
+from mcore_offload.config import choice_env
 from mcore_offload.runtime.cudart import (
     DEVICE_TO_HOST,
     HOST_ALLOC_WRITE_COMBINED,
@@ -577,11 +577,8 @@ HOST_MEMORY_KINDS = ("pinned", "write-combined")
 
 def host_memory_kind() -> str:
     """``MCORE_OFFLOAD_HOST_MEMORY``: how host buffers are allocated with raw copies (default ``pinned``)."""
-    kind = os.environ.get("MCORE_OFFLOAD_HOST_MEMORY", "pinned")
-    if kind not in HOST_MEMORY_KINDS:
-        raise ValueError(f"MCORE_OFFLOAD_HOST_MEMORY={kind!r} is not a host memory kind: set it to 'pinned' (the "
-                         f"default) or 'write-combined', or unset it")
-    return kind
+    return choice_env("MCORE_OFFLOAD_HOST_MEMORY", "pinned", HOST_MEMORY_KINDS,
+                      "a host memory kind: set it to 'pinned' (the default) or 'write-combined', or unset it")
 
 
 _TRANSPORTS: dict[torch.device, Transport] = {}
