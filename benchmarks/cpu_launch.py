@@ -14,8 +14,13 @@ from pathlib import Path
 # The CPU smoke runs compare losses bit for bit between processes. MKL's GEMM may take code paths that depend on
 # memory alignment unless its reproducibility mode is strict (fixing the branch moved these losses' low bits here,
 # and CI saw rare step-0/1 differences in plain runs and offloaded runs alike; the strict mode is the remedy Intel
-# documents, not yet shown to remove them). Set before torch loads MKL; an explicit setting wins.
+# documents, not yet shown to remove them). One thread each, for the same reason: a GEMM's or a reduction's split
+# across threads can follow the thread count MKL or OpenMP settles on at run time, and the tiny model gains nothing
+# from a second thread. Set before torch loads MKL; an explicit setting wins.
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_name, "1")
+os.environ.setdefault("MKL_DYNAMIC", "FALSE")
 
 root = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(root))

@@ -59,7 +59,7 @@ class OffloadSummary:
     # Offloaded bytes with no device copy (released, not yet reloaded): what offloading takes off the peak.
     off_device_bytes: int = 0
     off_device_at_peak_bytes: int = 0  # their value when the device peak was reached (see track_peak)
-    # track_peak(by_key=True): off-device bytes per entry key (auto's measured step: (vp_stage, layer, point)), and
+    # track_peak(by_key=True): off-device bytes per entry key (auto's peak step: (vp_stage, layer, point)), and
     # their values when the device peak was reached
     off_by_key: dict[Any, int] | None = None
     off_by_key_at_peak: dict[Any, int] | None = None

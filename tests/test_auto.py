@@ -215,12 +215,46 @@ def test_marks_count_the_layer_starts_where_the_gpu_had_caught_up():
 
 def test_a_units_bytes_are_its_storages_summed_per_microbatch():
     planner = AutoPlanner(None)
-    planner.steps = PROBE_STEPS - 1  # the measured step
+    planner.steps = PROBE_STEPS - 2  # the measured step
     for mb in range(3):
         planner.offloaded(None, mb, 1, "core_attn", 10 * MiB)
         planner.offloaded(None, mb, 1, "attn_proj", 4 * MiB)
         planner.offloaded(None, mb, 1, "core_attn", (1 + mb) * MiB)
     assert planner._profiles(lambda a, b: 1.0)[None].unit_bytes == {(1, CA): 16 * MiB}
+
+
+def test_the_probe_measures_one_step_and_traces_the_peak_in_the_next():
+    """The peak step's allocator reads must not inflate the measured step's host time: two steps, one plan."""
+    planner = AutoPlanner(None)
+    phases, plans = [], []
+    clocks = lambda a, b: 1.0  # noqa: E731 (every layer 1 ms)
+    for _ in range(PROBE_STEPS):
+        phases.append((planner.measuring, planner.tracing_peak))
+        if planner.measuring:
+            planner.chunk_started(None)
+            planner._probe_t0 -= 1.0  # a 1 s step: 15 ms of host budget
+            for _ in range(3):
+                planner._marks[-1].layer_started(_Mark(True))  # launch-bound: exposure 1
+            for mb in range(2):
+                for layer in (1, 2):
+                    planner.offloaded(None, mb, layer, "core_attn", 8 * MiB)
+            plans.append(planner.step_ended(clocks, 50.0, None, 0, runtime_ms=4.0))
+        elif planner.tracing_peak:
+            planner.offloaded(None, 0, 3, "core_attn", 64 * MiB)  # not the measured step: not counted
+            plans.append(planner.step_ended(clocks, None, 900 * MiB, 16 * MiB, runtime_ms=400.0,
+                                            off_at_peak={(None, 1, "core_attn"): 16 * MiB}))
+        else:
+            plans.append(planner.step_ended(clocks, None, None, 0))
+    assert phases[-2:] == [(True, False), (False, True)] and not any(phases[0])
+    assert plans[:-1] == [None] * (PROBE_STEPS - 1)
+    plan = plans[-1]
+    assert plan is planner.plan and not planner.measuring and not planner.tracing_peak
+    # layer 2 was back on the device at the peak: only layer 1 saves, with the measured step's link and bytes
+    assert {k: set(v) for k, v in plan.points.items() if v} == {(None, 1): {"core_attn", "attn_proj"}}
+    assert plan.link_GBps == 50.0 and plan.expected_saving_bytes == 16 * MiB
+    # the host time is the measured step's (4 ms over one chunk forward's two groups), not the peak step's (400 ms:
+    # nothing would fit the 15 ms budget)
+    assert plan.host.exposure == 1.0 and plan.host.group_ms == pytest.approx(2.0)
 
 
 @pytest.fixture(scope="module")

@@ -4,12 +4,15 @@ Spelling: ``["auto"]`` keeps every copy hidden; ``["auto:<GiB>"]`` (``"auto:38.5
 bring this rank's peak allocated memory to that many GiB, preferring hidden copies.
 
 How: the first :data:`PROBE_STEPS` training steps offload every point (so the probe itself cannot run out
-of memory) and measure, in the last of them, each layer's forward time on the compute stream (timing
+of memory). The second (the *measured* step) times each layer's forward on the compute stream (timing
 events at layer boundaries: real time on the GPU's timeline, launch gaps included, which is the window the
-copy engine has), the bytes each point's storages take per layer, the D2H throughput the link achieved,
-and the peak with the bytes of each (chunk, layer, point) that were off the device at that moment (a unit that
-was back on the device then saves nothing: under pipeline parallelism, a chunk's last layer). At the end of that
-step :func:`choose` picks the units (a point, or core_attn with attn_proj, which share attention's output)
+copy engine has) and counts the bytes each point's storages take per layer, the D2H throughput the link achieved
+and the runtime's host time. The third (the *peak* step, on a GPU) finds the step's peak and the bytes of each
+(chunk, layer, point) that were off the device at that moment (a unit that was back on the device then saves
+nothing: under pipeline parallelism, a chunk's last layer). That takes an allocator statistics read at every
+release and reload, host time that would inflate the measured step's host time and exposure (on A it tripled the
+host time per group and the plan chose nothing), so the two never share a step. At the end of the peak step
+:func:`choose` picks the units (a point, or core_attn with attn_proj, which share attention's output)
 greedily, most peak bytes first, keeping each one only if a simulated copy queue still finishes every layer's
 copies before the layer after next starts. Steps after that offload the chosen (chunk, layer, point) only. The
 plan is logged once per rank.
@@ -33,8 +36,9 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 AUTO = "auto"
-#: Steps that offload everything and measure; step 0 also autotunes kernels, so the last one is measured.
-PROBE_STEPS = 2
+#: Steps that offload everything: step 0 also autotunes kernels, step 1 is the measured step, step 2 the peak
+#: step (see the module docstring); the plan starts with step 3.
+PROBE_STEPS = 3
 #: Offload points planned together: attn_proj saves a view of core attention's output (one storage).
 UNITS: tuple[tuple[str, ...], ...] = (
     ("attn_norm",), ("qkv_linear",), ("core_attn", "attn_proj"), ("mlp_norm",), ("expert_fc1",), ("moe_act",),
@@ -374,9 +378,17 @@ class AutoPlanner:
         self._live_at_peak: dict[Any, int] = {}
         self._kept: dict[Any, set[tuple[int, tuple[str, ...]]]] = defaultdict(set)
         self._peak_seen = -1
+        # the measured step's (profiles, host cost, link GB/s), kept for the plan at the peak step's end
+        self._measured: tuple[dict[Any, ChunkProfile], HostCost | None, float] | None = None
 
     @property
     def measuring(self) -> bool:
+        """The current step is the measured one: layer clocks, bytes, link throughput, host time."""
+        return self.plan is None and self.steps == PROBE_STEPS - 2
+
+    @property
+    def tracing_peak(self) -> bool:
+        """The current step is the peak step: the peak and what was off the device then (GPU only)."""
         return self.plan is None and self.steps == PROBE_STEPS - 1
 
     def enabled(self, vp_stage: Any, layer: int, point: str) -> bool:
@@ -403,8 +415,8 @@ class AutoPlanner:
 
     def peak_check(self, peak: int, live: dict[Any, int]) -> None:
         """The allocator's peak and the chunk forwards in flight per ``vp_stage``, at each layer start of the
-        measured step (with a target only: the peak statistic was reset when that step began)."""
-        if self.measuring and peak > self._peak_seen:
+        peak step (the peak statistic was reset when that step began)."""
+        if self.tracing_peak and peak > self._peak_seen:
             self._peak_seen = peak
             self._live_at_peak = dict(live)
 
@@ -412,14 +424,20 @@ class AutoPlanner:
     def step_ended(self, elapsed: Any, link_GBps: float | None, peak_bytes: int | None,
                    off_device_at_peak: int, runtime_ms: float = 0.0, chaining: bool = True,
                    off_at_peak: dict[tuple[Any, int, str], int] | None = None) -> Plan | None:
-        """End of a training step; at the end of the probe, build the plan (``elapsed_ms(a, b)`` reads marks;
-        ``runtime_ms``: the runtime's host time in the step; ``off_at_peak``: (vp_stage, layer, point) -> bytes off
-        the device when the step's peak was reached, None where it was not traced)."""
+        """End of a training step. At the end of the measured step, keep its measurements (``elapsed_ms(a, b)``
+        reads marks; ``link_GBps``; ``runtime_ms``: the runtime's host time in the step); at the end of the peak
+        step, build the plan (``peak_bytes``, ``off_device_at_peak``; ``off_at_peak``: (vp_stage, layer, point) ->
+        bytes off the device when the step's peak was reached, None where it was not traced)."""
+        was_measuring = self.measuring
         self.steps += 1
-        if self.plan is not None or self.steps < PROBE_STEPS:
+        if self.plan is not None:
             return None
-        wall_ms = (time.perf_counter() - self._probe_t0) * 1e3 if self._probe_t0 is not None else 0.0
-        profiles = self._profiles(elapsed)
+        if was_measuring:
+            self._measured_step(elapsed, link_GBps, runtime_ms, chaining)
+            return None
+        if self.steps < PROBE_STEPS or self._measured is None:
+            return None
+        profiles, host, link = self._measured
         if off_at_peak is not None:
             for prof in profiles.values():
                 prof.peak_bytes = {}
@@ -427,6 +445,22 @@ class AutoPlanner:
                 if vp in profiles:
                     key = (layer, unit_of(point))
                     profiles[vp].peak_bytes[key] = profiles[vp].peak_bytes.get(key, 0) + nbytes
+        for vp, prof in profiles.items():
+            prof.live_at_peak = max(1, self._live_at_peak.get(vp, 1))
+        need = None
+        if self.target_gib is not None and peak_bytes is not None:
+            # The probe offloaded everything: without offloading the peak would be higher by what was off.
+            need = peak_bytes + off_device_at_peak - int(self.target_gib * 2**30)
+        self.plan = choose(profiles, link, need, host)
+        logger.info("offload auto plan%s: %s", "" if self.target_gib is None else f" (target {self.target_gib} GiB)",
+                    self.plan.describe())
+        self._measured = None
+        return self.plan
+
+    def _measured_step(self, elapsed: Any, link_GBps: float | None, runtime_ms: float, chaining: bool) -> None:
+        """Read the measured step's clocks and keep what the plan needs."""
+        wall_ms = (time.perf_counter() - self._probe_t0) * 1e3 if self._probe_t0 is not None else 0.0
+        profiles = self._profiles(elapsed)
         checks = sum(m.checks for m in self._marks)
         exposure = sum(m.caught_up for m in self._marks) / checks if checks else None
         microbatches: dict[Any, int] = defaultdict(int)
@@ -434,15 +468,8 @@ class AutoPlanner:
             microbatches[m.vp_stage] += 1
         units = {vp: set(p.unit_bytes) | p.kept for vp, p in profiles.items()}
         host = host_cost(runtime_ms, wall_ms, exposure, microbatches, units, chaining)
-        need = None
-        if self.target_gib is not None and peak_bytes is not None:
-            # The probe offloaded everything: without offloading the peak would be higher by what was off.
-            need = peak_bytes + off_device_at_peak - int(self.target_gib * 2**30)
-        self.plan = choose(profiles, link_GBps or 1.0, need, host)
-        logger.info("offload auto plan%s: %s", "" if self.target_gib is None else f" (target {self.target_gib} GiB)",
-                    self.plan.describe())
+        self._measured = (profiles, host, link_GBps or 1.0)
         self._marks.clear()
-        return self.plan
 
     def _profiles(self, elapsed: Any) -> dict[Any, ChunkProfile]:
         per_layer: dict[Any, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
@@ -462,7 +489,6 @@ class AutoPlanner:
                 prof.layer_ms[last] = 0.0  # the last layer's time is inside the tail
                 prof.tail_ms = statistics.median(tails[vp])
             prof.unit_bytes = {k: int(statistics.median(v.values())) for k, v in self._bytes[vp].items()}
-            prof.live_at_peak = max(1, self._live_at_peak.get(vp, 1))
             prof.kept = set(self._kept[vp])
             out[vp] = prof
         return out

@@ -69,7 +69,7 @@ class Entry:
         self.storage_ref: Any = None  # weakref to the original device storage
         self.off_device = False  # the original storage is freed and no reloaded copy exists yet
         self.device_ptr = device_ptr  # the original storage's address (audits: never a parameter's or a workspace's)
-        self.peak_key: Any = None  # auto's measured step: (vp_stage, layer, point), for what is off at the peak
+        self.peak_key: Any = None  # auto's peak step: (vp_stage, layer, point), for what is off at the peak
 
 
 class SavedRef:
@@ -354,10 +354,12 @@ class ChunkOffloadHandler(HandlerBase):
             entry.storage_ref = weakref.ref(st, self._released_callback(ptr, entry))
             self.live[ptr] = entry
             self.manager.on_offloaded(entry)
-            if self.manager.auto is not None and self.manager.auto.measuring:
-                entry.peak_key = (self.vp_stage, refs[0].group.layer, entry.point)
-                self.manager.auto.offloaded(self.vp_stage, self.microbatch, refs[0].group.layer, entry.point,
-                                            entry.nbytes)
+            auto = self.manager.auto
+            if auto is not None and auto.plan is None:
+                if auto.measuring:
+                    auto.offloaded(self.vp_stage, self.microbatch, refs[0].group.layer, entry.point, entry.nbytes)
+                elif auto.tracing_peak:
+                    entry.peak_key = (self.vp_stage, refs[0].group.layer, entry.point)
             self._attach(entry, refs)
 
     def _released_callback(self, ptr: int, entry: Entry):

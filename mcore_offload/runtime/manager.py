@@ -164,8 +164,8 @@ class OffloadManager:
         # a committed point whose group the next point of the layer joins: (handler, group, that next point)
         self.chain: tuple[ChunkOffloadHandler, Group, str] | None = None
         self._microbatches: dict[int | None, int] = {}
-        self._measuring_started = False
-        self._peak_reader: Any = None  # auto with a target, in the measured step: the allocator's peak
+        self._peak_tracing_started = False
+        self._peak_reader: Any = None  # auto's peak step: the allocator's peak
         self._trained = False  # a training forward ran in this schedule call
 
     # ------------------------------------------------------------------------------- forward side
@@ -213,15 +213,16 @@ class OffloadManager:
         self.handlers.append(handler)
         self.forward_handler = handler
         self._trained = True
-        if self.auto is not None and self.auto.measuring:
-            if not self._measuring_started and device.type == "cuda":
-                # The plan needs this step's peak and which groups were off the device then: under pipeline
-                # parallelism a chunk's last layer is back on the device at the peak, and offloading it saves
-                # nothing there (documented side effect: the allocator's peak statistic is reset once, here).
+        if self.auto is not None and self.auto.tracing_peak and not self._peak_tracing_started:
+            self._peak_tracing_started = True
+            if device.type == "cuda":
+                # The plan needs the peak and which groups were off the device then: under pipeline parallelism a
+                # chunk's last layer is back on the device at the peak, and offloading it saves nothing there
+                # (documented side effect: the allocator's peak statistic is reset once, here).
                 torch.cuda.reset_peak_memory_stats(device)
                 self._peak_reader = functools.partial(torch.cuda.max_memory_allocated, device)
                 self.summary.track_peak(self._peak_reader, by_key=True)
-            self._measuring_started = True
+        if self.auto is not None and self.auto.measuring:
             handler.marks = self.auto.chunk_started(vp_stage)
             telemetry = handler.transport.telemetry
             telemetry.timing = telemetry.timed  # the plan reads this step's link throughput
@@ -271,9 +272,9 @@ class OffloadManager:
                 handler.flush()
             if handler.marks is not None:
                 handler.marks.layer_started(clock_mark(handler.device))
-                if self._peak_reader is not None:
-                    live = Counter(h.vp_stage for h in self.handlers if not h.finished)
-                    self.auto.peak_check(self._peak_reader(), live)
+            if self._peak_reader is not None:
+                live = Counter(h.vp_stage for h in self.handlers if not h.finished)
+                self.auto.peak_check(self._peak_reader(), live)
             self.summary.runtime_ns += perf_counter_ns() - t0
 
     def _flush_due(self, handler: ChunkOffloadHandler) -> bool:
@@ -367,25 +368,26 @@ class OffloadManager:
         if self._trained:  # the next step's guess (end_chunk); an aborted step's schedule is not a guide
             self._kept_before = None if aborted else self._kept_now
             self._kept_now = set()
-        if self._peak_reader is not None:  # an aborted measured step: the next one measures again
+        if self._peak_reader is not None:  # an aborted peak step: the next one traces again
             self.summary.stop_tracking_peak()
         self._step_serial += 1
         self.reset_step()
 
     def _plan(self) -> Plan | None:
-        """End of an auto step: at the end of the measured one, read its clocks and choose (syncs once)."""
+        """End of an auto step: at the end of the measured one, read its clocks (syncs once); at the end of the peak
+        step, read the peak and choose."""
         link, peak, runtime_ms = None, None, 0.0
         if self.auto.measuring:
             self.summary.resolve_link(wait=True)
             last = self.summary.last_step
             link = last.link.d2h_GBps if last is not None and last.link is not None else None
             runtime_ms = last.runtime_cpu_ms if last is not None and last.runtime_cpu_ms is not None else 0.0
-            if self._peak_reader is not None:
-                peak = self._peak_reader()
-                self.summary.stop_tracking_peak()
-                self._peak_reader = None
             if link is None:  # CPU: copies are memcpy, never the limit
                 link = 1000.0
+        elif self.auto.tracing_peak and self._peak_reader is not None:
+            peak = self._peak_reader()
+            self.summary.stop_tracking_peak()
+            self._peak_reader = None
         return self.auto.step_ended(elapsed_ms, link, peak, self.summary.off_device_at_peak_bytes, runtime_ms,
                                     self.chaining, self.summary.off_by_key_at_peak if peak is not None else None)
 
