@@ -223,8 +223,8 @@ def test_a_units_bytes_are_its_storages_summed_per_microbatch():
     assert planner._profiles(lambda a, b: 1.0)[None].unit_bytes == {(1, CA): 16 * MiB}
 
 
-def test_the_probe_measures_one_step_and_traces_the_peak_in_the_next():
-    """The peak step's allocator reads must not inflate the measured step's host time: two steps, one plan."""
+def _probe(off_at_peak: dict | None) -> tuple[list, list]:
+    """Run a planner through its probe steps: layers 1 and 2 offload 8 MiB per microbatch in the measured step."""
     planner = AutoPlanner(None)
     phases, plans = [], []
     clocks = lambda a, b: 1.0  # noqa: E731 (every layer 1 ms)
@@ -242,19 +242,33 @@ def test_the_probe_measures_one_step_and_traces_the_peak_in_the_next():
         elif planner.tracing_peak:
             planner.offloaded(None, 0, 3, "core_attn", 64 * MiB)  # not the measured step: not counted
             plans.append(planner.step_ended(clocks, None, 900 * MiB, 16 * MiB, runtime_ms=400.0,
-                                            off_at_peak={(None, 1, "core_attn"): 16 * MiB}))
+                                            off_at_peak=off_at_peak))
         else:
             plans.append(planner.step_ended(clocks, None, None, 0))
+    assert plans[-1] is planner.plan and not planner.measuring and not planner.tracing_peak
+    return phases, plans
+
+
+def test_the_probe_measures_one_step_and_traces_the_peak_in_the_next():
+    """The peak step's allocator reads must not inflate the measured step's host time: two steps, one plan."""
+    phases, plans = _probe({(None, 1, "core_attn"): 16 * MiB, (None, 2, "core_attn"): 0})
     assert phases[-2:] == [(True, False), (False, True)] and not any(phases[0])
     assert plans[:-1] == [None] * (PROBE_STEPS - 1)
     plan = plans[-1]
-    assert plan is planner.plan and not planner.measuring and not planner.tracing_peak
     # layer 2 was back on the device at the peak: only layer 1 saves, with the measured step's link and bytes
     assert {k: set(v) for k, v in plan.points.items() if v} == {(None, 1): {"core_attn", "attn_proj"}}
     assert plan.link_GBps == 50.0 and plan.expected_saving_bytes == 16 * MiB
     # the host time is the measured step's (4 ms over one chunk forward's two groups), not the peak step's (400 ms:
     # nothing would fit the 15 ms budget)
     assert plan.host.exposure == 1.0 and plan.host.group_ms == pytest.approx(2.0)
+
+
+def test_a_probe_that_peaked_with_nothing_off_the_device_ranks_units_by_bytes():
+    """With every point offloaded the peak can move where no activation is held (B: the first backward's gradient
+    allocations); a smaller plan moves it back, so the plan falls back to bytes instead of choosing nothing."""
+    plan = _probe({(None, 1, "core_attn"): 0})[1][-1]
+    assert {k for k, v in plan.points.items() if v} == {(None, 1), (None, 2)}
+    assert plan.expected_saving_bytes == 16 * MiB and "ranked by bytes" in plan.describe()
 
 
 @pytest.fixture(scope="module")

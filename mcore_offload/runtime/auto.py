@@ -328,7 +328,7 @@ def choose(profiles: dict[Any, ChunkProfile], link_GBps: float, need_bytes: int 
 
     hidden, note = True, ""
     if not picked and not exposed and any(p.unit_bytes for p in profiles.values()):
-        note = ("no offloaded group was off the device when the measured step reached its peak: offloading would not "
+        note = ("no offloaded group was off the device when the probe reached its peak: offloading would not "
                 "lower it")
     if need_bytes is not None:
         need = int(need_bytes * TARGET_MARGIN)
@@ -438,7 +438,11 @@ class AutoPlanner:
         if self.steps < PROBE_STEPS or self._measured is None:
             return None
         profiles, host, link = self._measured
-        if off_at_peak is not None:
+        # A probe whose peak came with nothing off the device peaked elsewhere (B on the H100: with every point
+        # offloaded, the step peaks while the first backward allocates the gradients). A smaller plan moves the
+        # peak back to where activations are held, so the trace says nothing about the units: rank them by bytes.
+        untraced_peak = off_at_peak is not None and not any(off_at_peak.values())
+        if off_at_peak is not None and not untraced_peak:
             for prof in profiles.values():
                 prof.peak_bytes = {}
             for (vp, layer, point), nbytes in off_at_peak.items():
@@ -452,6 +456,9 @@ class AutoPlanner:
             # The probe offloaded everything: without offloading the peak would be higher by what was off.
             need = peak_bytes + off_device_at_peak - int(self.target_gib * 2**30)
         self.plan = choose(profiles, link, need, host)
+        if untraced_peak:
+            self.plan.note = "; ".join(filter(None, [self.plan.note, "ranked by bytes: the probe peaked with nothing "
+                                                    "off the device"]))
         logger.info("offload auto plan%s: %s", "" if self.target_gib is None else f" (target {self.target_gib} GiB)",
                     self.plan.describe())
         self._measured = None
