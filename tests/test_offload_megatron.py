@@ -8,7 +8,6 @@ from typing import Any
 import pytest
 import torch
 
-from mcore_offload.runtime import manager as manager_module
 from mcore_offload.runtime.manager import get_manager
 from mcore_offload.summary import get_summary
 from tests.harness.gpt import RunResult, build_dense_gpt, build_moe_gpt, init_parallel, run_steps
@@ -88,31 +87,6 @@ def test_bitwise_equal_and_every_offloaded_byte_released_and_restored(moe, point
         assert step.total("kept_on_device") > 0  # no pipelining: every chunk turns around, nothing leaves early
     assert summary.host_resident_bytes == 0
     assert not get_manager().handlers
-
-
-@pytest.mark.parametrize("points", [MOE_POINTS, ["qkv_linear", "core_attn", "attn_proj"]], ids=["all", "attention"])
-def test_moe_bursts_deferred_to_the_experts_equal_values_and_bytes(monkeypatch, points):
-    """MCORE_OFFLOAD_MOE_FLUSH=experts: the previous layer's groups leave when the experts start, after the
-    dispatcher's host read of the token counts. Same numbers, and not a byte less offloaded or released."""
-    default = train(True, offload(*points))
-    default_bytes = [(s.total("offloaded"), s.total("released_in_forward")) for s in get_summary().steps]
-    manager_module.reset()
-    monkeypatch.setenv("MCORE_OFFLOAD_MOE_FLUSH", "experts")
-    calls = []
-    real = manager_module.OffloadManager.experts_start
-    monkeypatch.setattr(manager_module.OffloadManager, "experts_start",
-                        lambda self, h: (calls.append(h.deferred), real(self, h))[1])
-    result = train(True, offload(*points))
-    assert_bitwise(baseline(True), result)
-    assert_bitwise(default, result)
-    steps = get_summary().steps
-    assert [(s.total("offloaded"), s.total("released_in_forward")) for s in steps] == default_bytes
-    assert all(s.total("reloaded") == s.total("offloaded") > 0 for s in steps)
-    # every layer but the first of each chunk forward deferred its burst to its experts
-    assert len(calls) == STEPS * MICROBATCHES * (LAYERS - 1) and all(n > 0 for n in calls)
-    with pytest.raises(ValueError, match="MCORE_OFFLOAD_MOE_FLUSH='mlp' is not one of layer, experts"):
-        monkeypatch.setenv("MCORE_OFFLOAD_MOE_FLUSH", "mlp")
-        manager_module.OffloadManager()
 
 
 def test_eval_and_no_grad_between_steps_offload_nothing():

@@ -215,8 +215,6 @@ class ChunkOffloadHandler(HandlerBase):
         self.finished = False
         self.layers = 0  # transformer layers started in this chunk's forward
         self.reload_bursts = 0  # reload bursts _prefetch started in this chunk's backward
-        # the first pending groups a layer start left to the layer's experts (MCORE_OFFLOAD_MOE_FLUSH=experts)
-        self.deferred = 0
         self.marks = None  # auto probe: clock marks of this forward (see runtime/auto.py)
         # TE attributes that inherited code may read
         self.current_group, self.tensor_count_current_group = 0, 0
@@ -318,13 +316,9 @@ class ChunkOffloadHandler(HandlerBase):
             self.pending.append(group)
         self.current_group += 1
 
-    def flush(self, count: int | None = None) -> None:
-        """Start D2H for every pending group (``count``: the first ``count`` of them) and drop our device references
-        (TE: bulk offload)."""
-        if count is None:
-            groups, self.pending, self.deferred = self.pending, [], 0
-        else:
-            groups, self.pending = self.pending[:count], self.pending[count:]
+    def flush(self) -> None:
+        """Start D2H for every pending group and drop our device references (TE: bulk offload)."""
+        groups, self.pending = self.pending, []
         if not groups or self.finished:
             return
         by_storage: dict[int, tuple[torch.UntypedStorage, list[SavedRef]]] = {}
@@ -405,7 +399,7 @@ class ChunkOffloadHandler(HandlerBase):
                 if self.manager.auto is not None:
                     for point in g.points:
                         self.manager.auto.kept(self.vp_stage, g.layer, point)
-            self.pending, self.deferred = [], 0
+            self.pending = []
         self._reload(group.entries, on_demand=True)
         latest = None
         for entry in group.entries:

@@ -142,9 +142,6 @@ class OffloadManager:
         self.flush_layers = flush_layers_from_env()
         self.reload_layers = reload_layers_from_env()
         self.prefetch = choice_env("MCORE_OFFLOAD_PREFETCH", DEFAULT_PREFETCH, ("layer", "tail", "late"))
-        # MCORE_OFFLOAD_MOE_FLUSH=experts: in a MoE model, a layer's copy burst waits for the layer's experts (after
-        # the dispatcher's host read of the token counts); see layer_boundary
-        self.moe_flush = choice_env("MCORE_OFFLOAD_MOE_FLUSH", "layer", ("layer", "experts"))
         self.host_memory = host_memory_kind()  # a bad MCORE_OFFLOAD_HOST_MEMORY fails here, before any step
         # vp_stage -> the layers its chunk ran in its last finished forward (layer_boundary aligns bursts to it)
         self._chunk_layers: dict[int | None, int] = {}
@@ -272,29 +269,13 @@ class OffloadManager:
             self.close_chain()
             handler.layers += 1
             if self._flush_due(handler):
-                if (self.moe_flush == "experts" and handler.pending and not handler.deferred
-                        and getattr(handler.config, "num_moe_experts", None)):
-                    # The MoE dispatcher reads the token counts on the host (a small D2H copy and a wait) before the
-                    # experts run; a burst started here would still hold the copy engine then, and the host would
-                    # wait behind it. These groups go when the experts start instead (experts_start); groups this
-                    # layer commits before then wait for the next burst, as usual.
-                    handler.deferred = len(handler.pending)
-                else:
-                    handler.deferred = 0  # a layer without experts: what waited goes now, with the rest
-                    handler.flush()
+                handler.flush()
             if handler.marks is not None:
                 handler.marks.layer_started(clock_mark(handler.device))
             if self._peak_reader is not None:
                 live = Counter(h.vp_stage for h in self.handlers if not h.finished)
                 self.auto.peak_check(self._peak_reader(), live)
             self.summary.runtime_ns += perf_counter_ns() - t0
-
-    def experts_start(self, handler: ChunkOffloadHandler) -> None:
-        """The layer's experts start (MCORE_OFFLOAD_MOE_FLUSH=experts): the burst deferred at its start goes now."""
-        t0 = perf_counter_ns()
-        count, handler.deferred = handler.deferred, 0
-        handler.flush(count)
-        self.summary.runtime_ns += perf_counter_ns() - t0
 
     def _flush_due(self, handler: ChunkOffloadHandler) -> bool:
         """Whether the layer starting now copies the pending groups out.

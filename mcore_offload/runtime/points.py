@@ -165,8 +165,6 @@ def offload(name: str | None, config: Any, tensor: torch.Tensor) -> contextlib.A
     if manager is None or manager.forward_handler is None:
         return _Passthrough(tensor)
     forward = manager.forward_handler
-    if forward.deferred and name == "expert_fc1":
-        manager.experts_start(forward)
     if config is forward.config and name not in forward.enabled_points:  # a point this config never enables
         return _Passthrough(tensor)
     handler = manager.handler_for(config, name)
