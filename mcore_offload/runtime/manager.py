@@ -164,7 +164,6 @@ class OffloadManager:
         # a committed point whose group the next point of the layer joins: (handler, group, that next point)
         self.chain: tuple[ChunkOffloadHandler, Group, str] | None = None
         self._microbatches: dict[int | None, int] = {}
-        self._peak_tracing_started = False
         self._peak_reader: Any = None  # auto's peak step: the allocator's peak
         self._trained = False  # a training forward ran in this schedule call
 
@@ -213,15 +212,14 @@ class OffloadManager:
         self.handlers.append(handler)
         self.forward_handler = handler
         self._trained = True
-        if self.auto is not None and self.auto.tracing_peak and not self._peak_tracing_started:
-            self._peak_tracing_started = True
-            if device.type == "cuda":
-                # The plan needs the peak and which groups were off the device then: under pipeline parallelism a
-                # chunk's last layer is back on the device at the peak, and offloading it saves nothing there
-                # (documented side effect: the allocator's peak statistic is reset once, here).
-                torch.cuda.reset_peak_memory_stats(device)
-                self._peak_reader = functools.partial(torch.cuda.max_memory_allocated, device)
-                self.summary.track_peak(self._peak_reader, by_key=True)
+        if (self.auto is not None and self.auto.tracing_peak and self._peak_reader is None
+                and device.type == "cuda"):
+            # The plan needs the peak and which groups were off the device then: under pipeline parallelism a chunk's
+            # last layer is back on the device at the peak, and offloading it saves nothing there (documented side
+            # effect: the allocator's peak statistic is reset once, at the peak step's first chunk).
+            torch.cuda.reset_peak_memory_stats(device)
+            self._peak_reader = functools.partial(torch.cuda.max_memory_allocated, device)
+            self.summary.track_peak(self._peak_reader, by_key=True)
         if self.auto is not None and self.auto.measuring:
             handler.marks = self.auto.chunk_started(vp_stage)
             telemetry = handler.transport.telemetry
