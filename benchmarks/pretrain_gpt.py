@@ -96,8 +96,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--profile-steps", type=int, nargs=2, default=None, metavar=("FIRST", "LAST"),
       help="torch.profiler trace of these steps (inclusive), summarised by trace_analysis.py")
     a("--alternate-offload", action="store_true",
-      help="ours: every odd step runs inside mcore_offload.paused() (no offloading), so one process times both "
-           "kinds under the same host drift; JSON 'alternation': paired overhead with a 95%% interval, Δpeak")
+      help="every odd step runs without offloading (ours: inside mcore_offload.paused(); native on megatron-core "
+           "0.16: its switches off, benchmarks/native_pause.py), so one process times both kinds under the same "
+           "host drift; JSON 'alternation': paired overhead with a 95%% interval, Δpeak")
     a("--host-delay-us", type=float, nargs=2, default=None, metavar=("FWD", "BWD"),
       help="every other step, spin FWD us at each transformer layer's forward and BWD us at its backward "
            "(benchmarks/host_delay.py): the paired overhead over the delay is the host time the step exposes; "
@@ -362,12 +363,14 @@ def main(argv=None) -> int:
         import mcore_offload
 
         mcore_offload.ensure_patched()
-    elif args.alternate_offload:
-        raise SystemExit("--alternate-offload needs ours (megatron-core 0.15.x patched by mcore-offload); "
-                         "drop it for native runs on megatron-core 0.16")
     alternate = args.alternate_offload or bool(args.host_delay_us) or bool(args.dma_load_mib)
     config = build_config(args)
     chunks = build_model(args, config)
+    native_pause = None  # --alternate-offload on megatron-core 0.16: native's switches, off in the odd steps
+    if args.alternate_offload and not ours:
+        from native_pause import NativePause
+
+        native_pause = NativePause(chunks)
     side_load = None  # HostDelay or DmaLoad: work added to every other step
     if args.host_delay_us:
         from host_delay import HostDelay
@@ -459,7 +462,9 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         if syncs is not None:
             syncs.start_step()
-        with mcore_offload.paused() if args.alternate_offload and not on_steps[-1] else contextlib.nullcontext():
+        plain = args.alternate_offload and not on_steps[-1]
+        with (native_pause.paused() if native_pause is not None else mcore_offload.paused()) if plain \
+                else contextlib.nullcontext():
             out = run_schedule(args, chunks, fb, data, forward_only=False)
         if syncs is not None:
             syncs.end_step()

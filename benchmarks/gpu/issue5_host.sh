@@ -23,6 +23,8 @@
 #    has every rank's). "dmaload": no offloading; every other step copies DMA_MIB (default 48, A core_attn's bytes
 #    per layer and microbatch) out at each layer's forward and in at its backward (benchmarks/dma_load.py): what
 #    the link traffic alone costs. NAME_wc: host buffers in write-combined memory (MCORE_OFFLOAD_HOST_MEMORY).
+#    NAME_f4 / NAME_r2: MCORE_OFFLOAD_FLUSH_LAYERS=4 / MCORE_OFFLOAD_RELOAD_LAYERS=2. NAME@native: NAME on upstream's
+#    megatron-core 0.16.1 (NATIVE_TREE), its native offloading; alt_NAME@native alternates it too.
 set -u
 out=${1:?outdir}; mkdir -p "$out"
 { nvidia-smi topo -m; lscpu | head -25; cat /proc/loadavg; } > "$out/host_topology.txt" 2>&1
@@ -42,15 +44,21 @@ for rep in $(seq 1 "${REPS:-2}"); do
     for name in ${VARIANTS:-baseline core_attn hooks_only}; do
       # NAME@old: the same variant with the runtime of another checkout (OLD_TREE, a folder that holds an older
       # mcore_offload package) first on PYTHONPATH; the patched megatron-core tree is the same.
-      tree=""; case $name in *@old) tree=${OLD_TREE:?OLD_TREE must name a folder holding an older mcore_offload};; esac
+      # NAME@native: the same variant on upstream's megatron-core 0.16.1 (NATIVE_TREE, default /root/mc-0.16.1, first
+      # on PYTHONPATH): its native offloading, with alt_ alternating through benchmarks/native_pause.py.
+      tree=""; case $name in *@old) tree=${OLD_TREE:?OLD_TREE must name a folder holding an older mcore_offload};;
+        *@native) tree=${NATIVE_TREE:-/root/mc-0.16.1};; esac
       raw=1; chain=1
+      name0=$name; name=${name%@native}
       case ${name%@old} in *_torchcopy*) raw=0 ;; esac
       case ${name%@old} in *_nochain*) chain=0 ;; esac
       hostmem=pinned; case ${name%@old} in *_wc*) hostmem=write-combined ;; esac
       envs="MCORE_OFFLOAD_RAW_COPY=$raw MCORE_OFFLOAD_CHAIN_POINTS=$chain MCORE_OFFLOAD_HOST_MEMORY=$hostmem"
+      case ${name%@old} in *_f4*) envs="$envs MCORE_OFFLOAD_FLUSH_LAYERS=4" ;; esac
+      case ${name%@old} in *_r2*) envs="$envs MCORE_OFFLOAD_RELOAD_LAYERS=2" ;; esac
       case ${name%@old} in alt_*) alt="--alternate-offload" ;; *) alt="" ;; esac
       case ${name%@old} in *_bd) alt="$alt --runtime-breakdown" ;; esac
-      base=${name%@old}; base=${base//_wc/}; base=${base#alt_}; base=${base%_bd}; base=${base%_nochain}; base=${base%_torchcopy}
+      base=${name%@old}; base=${base//_wc/}; base=${base//_f4/}; base=${base//_r2/}; base=${base#alt_}; base=${base%_bd}; base=${base%_nochain}; base=${base%_torchcopy}
       case $base in baseline) flags="" ;; core_attn) flags=$OFF ;;
         hooks_only) flags="$OFF --min-offloaded-tensor-size 1000000000000" ;;
         attn) flags="--fine-grained-activation-offloading --offload-modules qkv_linear core_attn attn_proj" ;;
@@ -63,7 +71,8 @@ for rep in $(seq 1 "${REPS:-2}"); do
         dmaload) flags="--dma-load-mib ${DMA_MIB:-48} ${DMA_MIB:-48}" ;;
         delaybwd) flags="--host-delay-us 0 ${DELAY_US:-500}" ;;
         hooks_breakdown) flags="$OFF --min-offloaded-tensor-size 1000000000000 --runtime-breakdown" ;; esac
-      i=$((i + 1)); tag=${name/@old/_old}-$bind-$rep
+      name=$name0
+      i=$((i + 1)); tag=${name/@old/_old}; tag=${tag/@native/_native}-$bind-$rep
       env $envs PYTHONPATH=${tree:+$tree:}$PYTHONPATH timeout ${RUN_TIMEOUT:-150} torchrun --nproc-per-node ${NPROC:-1} \
         --master-port $((29520 + i)) benchmarks/pretrain_gpt.py $A $flags $alt ${SYNCS:+--time-syncs} \
         --cpu-bind "$bind" --json-out "$out/$tag.json" --label "$name" > "$out/$tag.log" 2>&1 || echo "FAILED $tag"
