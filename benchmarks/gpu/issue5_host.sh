@@ -24,7 +24,8 @@
 #    per layer and microbatch) out at each layer's forward and in at its backward (benchmarks/dma_load.py): what
 #    the link traffic alone costs. NAME_wc: host buffers in write-combined memory (MCORE_OFFLOAD_HOST_MEMORY).
 #    NAME_f4 / NAME_r2: MCORE_OFFLOAD_FLUSH_LAYERS=4 / MCORE_OFFLOAD_RELOAD_LAYERS=2. NAME@native: NAME on upstream's
-#    megatron-core 0.16.1 (NATIVE_TREE), its native offloading; alt_NAME@native alternates it too.
+#    megatron-core 0.16.1 (NATIVE_TREE), its native offloading; alt_NAME@native alternates it too. "all5_hooks": the
+#    five MoE points with nothing large enough to move (hooks_only for CONFIG=C).
 set -u
 out=${1:?outdir}; mkdir -p "$out"
 { nvidia-smi topo -m; lscpu | head -25; cat /proc/loadavg; } > "$out/host_topology.txt" 2>&1
@@ -65,6 +66,7 @@ for rep in $(seq 1 "${REPS:-2}"); do
         auto) flags="--fine-grained-activation-offloading --offload-modules auto" ;;
         experts) flags="--fine-grained-activation-offloading --offload-modules expert_fc1 moe_act" ;;
         all5) flags="--fine-grained-activation-offloading --offload-modules qkv_linear core_attn attn_proj expert_fc1 moe_act" ;;
+        all5_hooks) flags="--fine-grained-activation-offloading --offload-modules qkv_linear core_attn attn_proj expert_fc1 moe_act --min-offloaded-tensor-size 1000000000000" ;;
         breakdown) flags="$OFF --runtime-breakdown" ;;
         experts_breakdown) flags="--fine-grained-activation-offloading --offload-modules expert_fc1 moe_act --runtime-breakdown" ;;
         delayfwd) flags="--host-delay-us ${DELAY_US:-500} 0" ;;
