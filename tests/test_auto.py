@@ -19,7 +19,7 @@ from mcore_offload.runtime.auto import (
     host_cost,
     parse_auto,
 )
-from mcore_offload.runtime.manager import get_manager
+from mcore_offload.runtime.manager import get_manager, reset
 from mcore_offload.summary import get_summary
 from tests.harness.gpt import build_dense_gpt, init_parallel, run_steps
 
@@ -298,3 +298,61 @@ def test_auto_on_a_real_model_probes_then_offloads_its_plan_bitwise_equal(_paral
     assert plan.points[(None, 3)]  # the last layer, kept on the device, still triggers the first prefetch
     chosen = {p for pts in plan.points.values() for p in pts}
     assert {p for p, c in steps[-1].points.items() if c["offloaded"]} <= chosen
+
+
+def test_an_aborted_measured_step_is_measured_again_from_scratch():
+    """A fault in the measured step: its bytes and its host clock are dropped, not added to the next step's."""
+    planner = AutoPlanner(None)
+    planner.steps = PROBE_STEPS - 2
+    planner.chunk_started(None)
+    planner._probe_t0 -= 100.0  # the failed step started long ago
+    planner.offloaded(None, 0, 1, "core_attn", 8 * MiB)
+    planner.step_aborted()
+    assert planner.measuring and planner._probe_t0 is None and not planner._marks
+    planner.chunk_started(None)
+    planner._probe_t0 -= 0.5  # this step: half a second
+    for _ in range(3):
+        planner._marks[-1].layer_started(_Mark(True))
+    planner.offloaded(None, 0, 1, "core_attn", 8 * MiB)
+    assert planner._profiles(lambda a, b: 1.0)[None].unit_bytes == {(1, CA): 8 * MiB}
+    planner.step_ended(lambda a, b: 1.0, 50.0, None, 0, runtime_ms=0.0)
+    # the budget is a share of this step's wall time, not of one that began with the failed step
+    assert planner._measured[1].budget_ms == pytest.approx(HOST_BUDGET * 500, rel=0.05)
+
+
+def test_auto_on_a_real_model_survives_a_fault_in_its_measured_step(_parallel):
+    """Through the manager: the measured step fails in its second microbatch, the next step measures the same bytes
+    a clean run measures, and the numbers stay bitwise equal."""
+    kw = dict(num_microbatches=2, seq_len=16, micro_batch_size=2)
+    overrides = dict(fine_grained_activation_offloading=True, offload_modules=["auto"], min_offloaded_tensor_size=512)
+    clean = build_dense_gpt(num_layers=3, config_overrides=overrides)
+    run_steps(clean, n_steps=PROBE_STEPS - 1, **kw)
+    expected = {vp: p.unit_bytes for vp, p in get_manager().auto._measured[0].items()}
+    assert any(expected.values())
+    reset()
+
+    chunks = build_dense_gpt(num_layers=3, config_overrides=overrides)
+    ref = build_dense_gpt(num_layers=3)
+    run_steps(chunks, n_steps=PROBE_STEPS - 2, **kw)
+    assert get_manager().auto.measuring
+    layer = chunks[0].decoder.layers[1].self_attention
+    original, calls = layer.forward, {"n": 0}
+
+    def failing_forward(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the second microbatch: the first one's groups were offloaded and counted
+            raise RuntimeError("injected fault")
+        return original(*args, **kwargs)
+
+    layer.forward = failing_forward
+    with pytest.raises(RuntimeError, match="injected fault"):
+        run_steps(chunks, n_steps=1, **kw)
+    layer.forward = original
+    auto = get_manager().auto
+    assert auto.measuring and auto._probe_t0 is None and not auto._bytes
+    run_steps(chunks, n_steps=1, **kw)
+    assert {vp: p.unit_bytes for vp, p in auto._measured[0].items()} == expected
+    got, want = run_steps(chunks, n_steps=2, **kw), run_steps(ref, n_steps=2, **kw)  # the peak step, then the plan
+    assert auto.plan is not None and got.losses == want.losses
+    for ga, gb in zip(got.grads, want.grads, strict=True):
+        assert all((ga[k] == gb[k]).all() for k in ga)

@@ -420,6 +420,19 @@ class AutoPlanner:
             self._peak_seen = peak
             self._live_at_peak = dict(live)
 
+    def step_aborted(self) -> None:
+        """A step failed part-way: drop what it measured or traced, so the next step probes afresh. Kept, the
+        measured step's bytes would be summed into the next one's per microbatch, and its host clock would start
+        at the failed step's first chunk."""
+        if self.plan is not None:
+            return
+        self._marks.clear()
+        self._bytes.clear()
+        self._kept.clear()
+        self._probe_t0 = None
+        if self.tracing_peak:
+            self._live_at_peak, self._peak_seen = {}, -1
+
     # ----------------------------------------------------------------------------------- planning
     def step_ended(self, elapsed: Any, link_GBps: float | None, peak_bytes: int | None,
                    off_device_at_peak: int, runtime_ms: float = 0.0, chaining: bool = True,

@@ -361,8 +361,11 @@ class OffloadManager:
         settle_pools()  # before the step's allocations are counted: a replacement is this step's
         if self.summary.step_has_activity():
             self.summary.close_step(aborted=aborted)
-        if self.auto is not None and self._trained and not aborted:
-            self._plan()
+        if self.auto is not None and self._trained:
+            if aborted:
+                self.auto.step_aborted()  # the step repeats its probe role: nothing of it is kept
+            else:
+                self._plan()
         if self._trained:  # the next step's guess (end_chunk); an aborted step's schedule is not a guide
             self._kept_before = None if aborted else self._kept_now
             self._kept_now = set()
