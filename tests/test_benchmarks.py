@@ -17,31 +17,65 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import peak_memory  # noqa: E402
 
 
-def tiny_base_and_ours(tmp_path, port: int, common: list[str], ours: list[str]) -> tuple[dict, dict]:
-    """``pretrain_gpt.py`` on the tiny CPU model through torchrun, without and with ``ours`` flags: rank 0's rows."""
-    rows = []
-    for name, extra in (("base", []), ("ours", ["--fine-grained-activation-offloading", "--offload-modules", *ours])):
-        js = tmp_path / f"{name}.json"
-        proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(port),
-             str(ROOT / "benchmarks" / "cpu_launch.py"), *peak_memory.TINY.split(), *common, "--json-out", str(js),
-             *extra],
-            capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        rows.append(json.loads(js.read_text())["ranks"][0])
+def differs_only_before_step_2(a: list, b: list) -> bool:
+    """Whether two runs' losses differ in steps 0-1 only, with at least one later step, all bitwise equal.
+
+    Rarely (CI saw it about once in ten suite runs, in plain baselines too, always the same alternative step-0
+    value) a process's first two CPU losses differ in their last bits from another process's, while every later
+    loss agrees. Offloading cannot cause that: a step's loss is computed in forward, before anything saved for
+    backward is read back, and a wrong step-0 gradient would move the weights and every later loss. Such a pair is
+    run again once, and the second pair must agree in every step.
+    """
+    return len(a) == len(b) > 2 and a[2:] == b[2:] and a[:2] != b[:2]
+
+
+def tiny_pair(tmp_path, port: int, common: list[str], first: list[str], second: list[str]) -> tuple[dict, dict]:
+    """``pretrain_gpt.py`` on the tiny CPU model through torchrun, with ``first`` then ``second`` extra flags: rank
+    0's rows (run again once if their losses differ in steps 0-1 only: :func:`differs_only_before_step_2`)."""
+    for attempt in range(2):
+        rows = []
+        for i, extra in enumerate((first, second)):
+            js = tmp_path / f"run{attempt}-{i}.json"
+            proc = subprocess.run(
+                [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(port),
+                 str(ROOT / "benchmarks" / "cpu_launch.py"), *peak_memory.TINY.split(), *common, "--json-out",
+                 str(js), *extra],
+                capture_output=True, text=True, timeout=300)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            rows.append(json.loads(js.read_text())["ranks"][0])
+        if not differs_only_before_step_2(rows[0]["loss_hex"], rows[1]["loss_hex"]):
+            break
     return rows[0], rows[1]
+
+
+def tiny_base_and_ours(tmp_path, port: int, common: list[str], ours: list[str]) -> tuple[dict, dict]:
+    """:func:`tiny_pair` without offloading, then with ``--offload-modules`` ``ours``."""
+    return tiny_pair(tmp_path, port, common, [], ["--fine-grained-activation-offloading", "--offload-modules", *ours])
+
+
+def test_only_a_difference_confined_to_the_first_two_steps_is_run_again():
+    assert differs_only_before_step_2(["a", "x", "c", "d"], ["b", "x", "c", "d"])
+    assert differs_only_before_step_2(["a", "x", "c"], ["b", "y", "c"])
+    assert not differs_only_before_step_2(["a", "x", "c"], ["a", "x", "c"])  # equal: nothing to rerun
+    assert not differs_only_before_step_2(["a", "x", "c"], ["b", "x", "d"])  # a later step differs: a real failure
+    assert not differs_only_before_step_2(["a", "x"], ["b", "x"])  # no later step to vouch for the gradients
+    assert not differs_only_before_step_2(["a", "x", "c"], ["a", "x", "c", "d"])
 
 
 @pytest.mark.multiproc
 def test_peak_memory_smoke_on_cpu(tmp_path):
     """baseline + ours on the tiny dense model: every run finishes, losses equal, bytes offloaded."""
-    out = tmp_path / "pm"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "peak_memory.py"), "--config", "tiny-dense",
-                           "--impls", "baseline", "ours", "--train-iters", "4", "--warmup-steps", "2",
-                           "--out", str(out), "--extra=--audit-offloaded"],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = json.loads((out / "results.json").read_text())["rows"]
+    for attempt in range(2):  # again once if a run's losses differ in steps 0-1 only (differs_only_before_step_2)
+        out = tmp_path / f"pm{attempt}"
+        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "peak_memory.py"), "--config", "tiny-dense",
+                               "--impls", "baseline", "ours", "--train-iters", "4", "--warmup-steps", "2",
+                               "--out", str(out), "--extra=--audit-offloaded"],
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        rows = json.loads((out / "results.json").read_text())["rows"]
+        losses = [json.loads((out / f"{r['run']}.json").read_text())["ranks"][0]["loss_hex"] for r in rows]
+        if not any(differs_only_before_step_2(losses[0], other) for other in losses[1:]):
+            break
     assert [(r["impl"], r["offload_modules"]) for r in rows] == [
         ("baseline", []), ("ours", ["core_attn"]), ("ours", ["qkv_linear", "core_attn", "attn_proj"]),
         ("ours", ["auto"])]
@@ -227,17 +261,8 @@ def test_pretrain_gpt_alternate_offload_pauses_every_odd_step_and_keeps_the_loss
 @pytest.mark.multiproc
 def test_pretrain_gpt_host_delay_spins_every_layer_of_every_other_step_and_keeps_the_loss(tmp_path):
     """--host-delay-us: every layer's forward and backward of the delayed steps spin once; numbers unchanged."""
-    rows = []
-    for name, extra in (("plain", []), ("delay", ["--host-delay-us", "200", "300"])):
-        js = tmp_path / f"{name}.json"
-        proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", "29637",
-             str(ROOT / "benchmarks" / "cpu_launch.py"), *peak_memory.TINY.split(), "--train-iters", "5",
-             "--warmup-steps", "1", "--json-out", str(js), *extra],
-            capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        rows.append(json.loads(js.read_text())["ranks"][0])
-    plain, delayed = rows
+    plain, delayed = tiny_pair(tmp_path, 29637, ["--train-iters", "5", "--warmup-steps", "1"], [],
+                               ["--host-delay-us", "200", "300"])
     assert delayed["loss_hex"] == plain["loss_hex"]
     assert delayed["alternation"]["on_steps"] == [True, False, True, False, True]
     hd = delayed["host_delay"]
