@@ -36,6 +36,9 @@ def main() -> None:
     p.add_argument("--variants", default="none inline thread thread_spin thread_noreap",
                    help="of: none inline inline_batch thread thread_spin thread_noreap (inline_batch: each burst's "
                         "copies as one cudaMemcpyBatchAsync)")
+    p.add_argument("--storage-mib", type=float, default=2.0,
+                   help="bytes of each of the three storages per direction (default 2: the link never holds the loop "
+                        "back, so the figure is host time; A's storages are ~17 MiB)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
@@ -53,7 +56,7 @@ def main() -> None:
     x = torch.zeros(16, device=dev)
     a = torch.randn(4096, 2048, device=dev, dtype=torch.bfloat16)
     b = torch.randn(2048, 2048, device=dev, dtype=torch.bfloat16)
-    nbytes = 2 << 20  # small: the link never holds the loop back; the figure is host time
+    nbytes = int(args.storage_mib * 2**20)
     srcs = [torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=dev) for _ in range(3)]
     hosts = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(3)]
     dsts = [torch.empty(nbytes, dtype=torch.uint8, device=dev) for _ in range(3)]
@@ -151,7 +154,7 @@ def main() -> None:
     med = {v: statistics.median(t) for v, t in res.items()}
     out = {
         "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "python": platform.python_version(),
-        "layers": args.layers, "small_kernels": args.small,
+        "layers": args.layers, "small_kernels": args.small, "storage_MiB": args.storage_mib,
         "host_us_per_layer": res, "median_us_per_layer": med,
         "burst_us": {v: med[v] - med["none"] for v in variants[1:]},
         "engine_counters": [engine.counters[i] for i in range(6)],
