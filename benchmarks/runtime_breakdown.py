@@ -62,6 +62,13 @@ TARGETS = [
     ("mcore_offload.summary", "OffloadSummary.close_step"),
     ("mcore_offload.runtime.transport", "Transport.to_host"),
     ("mcore_offload.runtime.transport", "Transport.to_device"),
+    # the raw-copy transport (the GPU default) overrides the methods above
+    ("mcore_offload.runtime.transport", "RawCudaTransport.to_host"),
+    ("mcore_offload.runtime.transport", "RawCudaTransport.to_device"),
+    ("mcore_offload.runtime.transport", "RawCudaTransport._copy_burst"),
+    ("mcore_offload.runtime.transport", "RawCudaTransport.wait"),
+    ("mcore_offload.runtime.transport", "CudaTransport.release_copied"),
+    ("mcore_offload.runtime.transport", "HostBufferPool.acquire_base"),
 ]
 
 
