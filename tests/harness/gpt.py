@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import require_cpu_only_torch
 from .cpu_shims import install_cpu_shims
 
 DEFAULT_SEED = 1234
@@ -64,6 +65,8 @@ def init_parallel(
     seeds megatron's RNG tracker with ``model_parallel_cuda_manual_seed(seed)`` (CPU-shimmed).
     An already-initialised model-parallel state is destroyed and rebuilt.
     """
+    if rank == 0 and world_size == 1:  # a worker of run_multiprocess was checked by its parent
+        require_cpu_only_torch()
     install_cpu_shims()
     from megatron.core import parallel_state, tensor_parallel
 

@@ -101,7 +101,10 @@ def run_multiprocess(
     """
     import torch
 
+    from . import require_cpu_only_torch
     from .gpt import find_free_port
+
+    require_cpu_only_torch()
 
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="mcore_mp_") as tmp:
