@@ -20,7 +20,7 @@ import peak_memory  # noqa: E402
 def differs_only_before_step_2(a: list, b: list) -> bool:
     """Whether two runs' losses differ in steps 0-1 only, with at least one later step, all bitwise equal.
 
-    Rarely (CI saw it about once in ten suite runs, in plain baselines too, always the same alternative step-0
+    Rarely (about once in ten suite runs in earlier sessions, in plain baselines too, always the same alternative step-0
     value) a process's first two CPU losses differ in their last bits from another process's, while every later
     loss agrees. Offloading cannot cause that: a step's loss is computed in forward, before anything saved for
     backward is read back, and a wrong step-0 gradient would move the weights and every later loss. Such a pair is

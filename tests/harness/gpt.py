@@ -65,7 +65,7 @@ def init_parallel(
     seeds megatron's RNG tracker with ``model_parallel_cuda_manual_seed(seed)`` (CPU-shimmed).
     An already-initialised model-parallel state is destroyed and rebuilt.
     """
-    if rank == 0 and world_size == 1:  # a worker of run_multiprocess was checked by its parent
+    if world_size == 1:  # the workers of run_multiprocess were checked by their parent
         require_cpu_only_torch()
     install_cpu_shims()
     from megatron.core import parallel_state, tensor_parallel
