@@ -1,5 +1,6 @@
 """``mcore-offload`` command line: ``mcore-offload patch {apply,check,revert,status} [--megatron-path DIR]`` and
-``mcore-offload plan ...`` (project an offloaded run's per-rank peak memory before launching it)."""
+``mcore-offload plan ...`` (project an offloaded run's per-rank peak memory before launching it) and
+``mcore-offload build-native`` (compile the C++ saved-tensor hooks ahead of a run)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,19 @@ def _patch(args: argparse.Namespace) -> int:
     return 1 if any(s is tooling.PatchState.CONFLICT for s in states.values()) else 0
 
 
+def _build_native(args: argparse.Namespace) -> int:
+    from mcore_offload.runtime import native
+
+    try:
+        module = native.build(verbose=args.verbose)
+    except Exception as exc:  # the builder raises compiler, ninja and import errors alike
+        print(f"mcore-offload: the C++ saved-tensor hooks did not build ({exc}); runs will use the Python hooks, "
+              "or install a C++ compiler and ninja and try again", file=sys.stderr)
+        return 2
+    print(f"C++ saved-tensor hooks ready: {module.__file__}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mcore-offload", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -41,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="directory holding megatron/core (default: the installed megatron-core)")
     patch.set_defaults(func=_patch)
     add_plan_parser(sub)
+    build = sub.add_parser("build-native", help="compile the C++ saved-tensor hooks now (runs build them on first use)")
+    build.add_argument("--verbose", action="store_true", help="show the compiler's output")
+    build.set_defaults(func=_build_native)
     return parser
 
 

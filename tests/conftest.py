@@ -42,3 +42,36 @@ def _reset_offload_state():
     moe_utils = sys.modules.get("megatron.core.transformer.moe.moe_utils")
     if moe_utils is not None:
         moe_utils.get_moe_layer_wise_logging_tracker().clear()
+
+
+@pytest.fixture(params=["native", "python"])
+def hook_impl(request, monkeypatch) -> str:
+    """Run the test with the C++ saved-tensor hooks (``MCORE_OFFLOAD_NATIVE=1``: they must build here) and again with
+    the Python ones; the manager made in the test reads the setting."""
+    from mcore_offload.runtime import native
+    from mcore_offload.runtime.manager import reset
+
+    reset()
+    native.reset()
+    monkeypatch.setenv("MCORE_OFFLOAD_NATIVE", "1" if request.param == "native" else "0")
+    yield request.param
+    reset()
+    native.reset()
+
+
+def record_packed(monkeypatch, seen: list) -> None:
+    """Append a weak reference to every tensor an offload block's pack hook receives (either implementation)."""
+    import weakref
+
+    import torch
+
+    real = torch.autograd.graph.saved_tensors_hooks
+
+    def recording(pack, unpack):
+        def pack_and_record(tensor):
+            seen.append(weakref.ref(tensor))
+            return pack(tensor)
+
+        return real(pack_and_record, unpack)
+
+    monkeypatch.setattr(torch.autograd.graph, "saved_tensors_hooks", recording)

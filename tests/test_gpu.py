@@ -67,13 +67,16 @@ def same(a, b) -> bool:
     return a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
 
 
-@pytest.mark.parametrize("raw_copy, host_memory", [("1", "pinned"), ("0", "pinned"), ("1", "write-combined")],
-                         ids=["raw-cudaMemcpyAsync", "torch-copy", "raw-write-combined"])
-def test_cuda_bitwise_equal_pinned_pool_warm_after_step_0_and_telemetry(monkeypatch, raw_copy, host_memory):
+@pytest.mark.parametrize("raw_copy, host_memory, hooks", [("1", "pinned", "1"), ("0", "pinned", "1"),
+                                                           ("1", "write-combined", "1"), ("1", "pinned", "0")],
+                         ids=["raw-cudaMemcpyAsync", "torch-copy", "raw-write-combined", "python-hooks"])
+def test_cuda_bitwise_equal_pinned_pool_warm_after_step_0_and_telemetry(monkeypatch, raw_copy, host_memory, hooks):
     monkeypatch.setenv("MCORE_OFFLOAD_RAW_COPY", raw_copy)
     monkeypatch.setenv("MCORE_OFFLOAD_HOST_MEMORY", host_memory)
+    monkeypatch.setenv("MCORE_OFFLOAD_NATIVE", hooks)  # "1": the C++ hooks must build on the host
     base = cuda_run([], steps=4)
     got = cuda_run(["qkv_linear", "core_attn", "attn_proj"], steps=4)
+    assert (get_manager().native is not None) == (hooks == "1")
     # both copy paths exist on the GPU host: the raw one must really be the one that ran
     assert [t._memcpy is not None for t in _TRANSPORTS.values()] == [raw_copy == "1"]
     assert [type(t).__name__ for t in _TRANSPORTS.values()] == [

@@ -10,6 +10,10 @@ import torch
 from mcore_offload.runtime import points
 from mcore_offload.runtime.manager import get_manager
 from mcore_offload.summary import get_summary
+from tests.conftest import record_packed
+
+# every test here runs with the C++ hooks and with the Python ones
+pytestmark = pytest.mark.usefixtures("hook_impl")
 
 
 def cfg(*names, min_size=0):
@@ -143,18 +147,9 @@ def test_nothing_saved_outlives_the_step_without_the_garbage_collector(monkeypat
     """Kept, skipped and offloaded tensors are all freed by reference counting when the step ends
     (a reference cycle here leaked ~300 MiB per microbatch on the GPU host until gc ran)."""
     import gc
-    import weakref
-
-    from mcore_offload.runtime.handler import ChunkOffloadHandler
 
     seen = []
-    push = ChunkOffloadHandler.tensor_push
-
-    def recording_push(self, tensor, group=None, point=None, **kw):
-        seen.append(weakref.ref(tensor))
-        return push(self, tensor, group, point, **kw)
-
-    monkeypatch.setattr(ChunkOffloadHandler, "tensor_push", recording_push)
+    record_packed(monkeypatch, seen)
     model = Toy(cfg("qkv_linear", "core_attn", "attn_proj"))
     gc.collect()
     gc.disable()
@@ -345,19 +340,9 @@ def test_exception_inside_a_point_frees_what_the_point_saved(monkeypatch):
     group's saved tensors sit in a cycle through the autograd graph (GroupStart's ctx -> group -> saved refs ->
     tensors -> grad_fn -> GroupStart), which the garbage collector cannot see; the abort must break it."""
     import gc
-    import weakref
-
-    from mcore_offload.runtime.handler import ChunkOffloadHandler
 
     saved = []
-    push = ChunkOffloadHandler.tensor_push
-
-    def recording_push(self, tensor, group=None, point=None, **kw):
-        if group is not None and group.name == "core_attn":
-            saved.append(weakref.ref(tensor))
-        return push(self, tensor, group, point, **kw)
-
-    monkeypatch.setattr(ChunkOffloadHandler, "tensor_push", recording_push)
+    record_packed(monkeypatch, saved)  # core_attn is the only point on
     config = cfg("core_attn")
     models = [Toy(config, hidden=64)]
 

@@ -30,6 +30,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from mcore_offload.runtime.native import cache_dir  # the library's build cache
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("copy_engine.c")
@@ -42,14 +44,6 @@ MAX_JOB_WORDS = 4096
 _OP_NAMES = {0: "cudaSetDevice", OP_RECORD: "cudaEventRecord", OP_WAIT: "cudaStreamWaitEvent",
              OP_COPY: "cudaMemcpyAsync", OP_COMPLETE: "cudaEventSynchronize", -1: "a malformed job"}
 
-
-
-def cache_dir() -> Path:
-    explicit = os.environ.get("MCORE_OFFLOAD_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "mcore_offload"
 
 
 def build_library(directory: Path | None = None) -> Path | None:

@@ -31,6 +31,7 @@ from mcore_offload.config import (
 )
 from mcore_offload.runtime.auto import AUTO, AutoPlanner, Plan, clock_mark, elapsed_ms, parse_auto
 from mcore_offload.runtime.handler import ChunkOffloadHandler, Entry, Group
+from mcore_offload.runtime.native import load_native
 from mcore_offload.runtime.transport import host_memory_kind, reset_transports, settle_pools
 from mcore_offload.summary import OffloadSummary
 
@@ -143,6 +144,8 @@ class OffloadManager:
         self.reload_layers = reload_layers_from_env()
         self.prefetch = choice_env("MCORE_OFFLOAD_PREFETCH", DEFAULT_PREFETCH, ("layer", "tail", "late"))
         self.host_memory = host_memory_kind()  # a bad MCORE_OFFLOAD_HOST_MEMORY fails here, before any step
+        # the C++ saved-tensor hooks (runtime/native), or None: the Python ones (MCORE_OFFLOAD_NATIVE)
+        self.native = load_native()
         # vp_stage -> the layers its chunk ran in its last finished forward (layer_boundary aligns bursts to it)
         self._chunk_layers: dict[int | None, int] = {}
         # (vp_stage, microbatch) of the chunks whose own backward came right after their forward, in the last

@@ -179,6 +179,20 @@ def offload(name: str | None, config: Any, tensor: torch.Tensor) -> contextlib.A
     return _OffloadBlock(manager, handler, name, tensor)
 
 
+def _python_pack(handler: ChunkOffloadHandler, group: Group, name: str) -> Callable[[torch.Tensor], Any]:
+    """The pack hook of one offload block, in Python (``MCORE_OFFLOAD_NATIVE=0``, or where the C++ one cannot be
+    built)."""
+    push = handler.tensor_push
+
+    def pack(saved: torch.Tensor) -> Any:
+        if type(saved) is _Parameter:  # weights, half of what a grouped GEMM saves: kept, at the least cost
+            group.parameters += 1
+            return saved
+        return push(saved, group, name)
+
+    return pack
+
+
 class _OffloadBlock:
     """The context of a point that is on (a class, not a generator context: it runs once per group and layer).
 
@@ -206,15 +220,13 @@ class _OffloadBlock:
         # what the group held before this block (a chain's group holds the earlier points' too)
         self.refs_before, self.rejected_before = len(group.refs), (dict(group.rejected) if group.rejected else {})
         self.parameters_before = group.parameters
-        push = handler.tensor_push
-
-        def pack(saved: torch.Tensor) -> Any:
-            if type(saved) is _Parameter:  # weights, half of what a grouped GEMM saves: kept, at the least cost
-                group.parameters += 1
-                return saved
-            return push(saved, group, name)
-
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(pack, handler.tensor_pop)
+        native = self.manager.native
+        if native is not None:  # the same hooks in C++ (runtime/native/hooks.cpp)
+            self.hooks = torch.autograd.graph.saved_tensors_hooks(native.Packer(handler, group, name),
+                                                                  native.Unpacker(handler))
+        else:
+            self.hooks = torch.autograd.graph.saved_tensors_hooks(_python_pack(handler, group, name),
+                                                                  handler.tensor_pop)
         self.hooks.__enter__()
         self.manager.summary.runtime_ns += perf_counter_ns() - t0
         return tensor

@@ -1,0 +1,106 @@
+"""The saved-tensor hooks in C++ (``hooks.cpp``), built on first use with PyTorch's extension builder.
+
+Why: in a launch-bound step (config A on an H100) the runtime's host time is step time, and the pack and unpack
+hooks run once per saved tensor: 6.8 and 6.7 µs each in Python (session 18's breakdown, A attention set, 1,856
+calls per step). The C++ hooks do the same checks and the same view rebuild without a Python frame, and hand every
+uncommon case (tensor subclasses, other layouts, a storage not back yet) to the Python hooks, so both paths decide
+alike; ``tests/test_native_hooks.py`` checks that they do.
+
+``MCORE_OFFLOAD_NATIVE``:
+
+- ``auto`` (default): build (once per source, torch and Python version; about a minute) or load the cached build;
+  where that fails (no C++ compiler, no ``ninja``), log why once and keep the Python hooks;
+- ``1``: the same, but a failed build raises;
+- ``0``: the Python hooks.
+
+The build goes to ``MCORE_OFFLOAD_CACHE_DIR`` (default ``~/.cache/mcore_offload``); concurrent ranks wait on the
+builder's lock file. ``python -m mcore_offload build-native`` builds ahead of a run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from mcore_offload.config import choice_env
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("hooks.cpp")
+MODES = ("auto", "0", "1")
+
+_state: dict[str, ModuleType | None] = {}  # "module": the loaded module or None (tried and failed); reset()
+
+
+def native_mode() -> str:
+    return choice_env("MCORE_OFFLOAD_NATIVE", "auto", MODES,
+                      "one of auto (C++ hooks where they build), 1 (C++ hooks, or fail) and 0 (Python hooks); "
+                      "unset it for auto")
+
+
+def cache_dir() -> Path:
+    explicit = os.environ.get("MCORE_OFFLOAD_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "mcore_offload"
+
+
+def build_name() -> str:
+    """The extension's name: one per source text, torch version and Python version (a rebuild when any changes)."""
+    key = hashlib.sha256(SOURCE.read_bytes())
+    key.update(f"{torch.__version__}|{sys.version_info[:2]}|{sys.platform}".encode())
+    return f"mcore_offload_hooks_{key.hexdigest()[:12]}"
+
+
+def build(verbose: bool = False) -> ModuleType:
+    """Compile (or load the cached) extension and initialise it; raises whatever the builder raises."""
+    from torch.utils.cpp_extension import load
+
+    name = build_name()
+    directory = cache_dir() / name
+    directory.mkdir(parents=True, exist_ok=True)
+    if not any(directory.glob(f"{name}*.so")):
+        logger.info("mcore-offload: compiling the C++ saved-tensor hooks into %s (once; about a minute)", directory)
+    module = load(name=name, sources=[str(SOURCE)], build_directory=str(directory), extra_cflags=["-O2"],
+                  verbose=verbose)
+    module.init(torch.Tensor, torch.nn.Parameter)
+    return module
+
+
+def load_native() -> ModuleType | None:
+    """The C++ hooks, or None where ``MCORE_OFFLOAD_NATIVE`` is 0 or (``auto``) they cannot be built here."""
+    mode = native_mode()
+    if mode == "0":
+        return None
+    if "module" in _state:
+        module = _state["module"]
+        if module is None and mode == "1":
+            raise RuntimeError("MCORE_OFFLOAD_NATIVE=1 but the C++ hooks failed to build in this process; see the "
+                               "first error, or set MCORE_OFFLOAD_NATIVE=auto to fall back to the Python hooks")
+        return module
+    try:
+        module = build()
+    except Exception as exc:  # the builder raises a variety: compiler, ninja, import errors
+        _state["module"] = None
+        if mode == "1":
+            raise RuntimeError(f"MCORE_OFFLOAD_NATIVE=1 but the C++ hooks did not build ({exc}); install a C++ "
+                               "compiler and ninja, or set MCORE_OFFLOAD_NATIVE=auto to fall back to the Python "
+                               "hooks") from exc
+        logger.warning("mcore-offload: the C++ saved-tensor hooks did not build (%s); using the Python hooks "
+                       "(set MCORE_OFFLOAD_NATIVE=0 to skip this attempt)", str(exc).splitlines()[0] if str(exc)
+                       else type(exc).__name__)
+        return None
+    _state["module"] = module
+    return module
+
+
+def reset() -> None:
+    """Forget the load attempt (tests switch ``MCORE_OFFLOAD_NATIVE``); a built module stays importable."""
+    _state.clear()

@@ -1,0 +1,595 @@
+// The saved-tensor hooks of an offload point, in C++ (see __init__.py for why and how this is built).
+//
+// Three types, each doing exactly what its Python counterpart in runtime/handler.py and runtime/points.py does
+// for the common case, and handing every other case to that Python code, so that the two paths cannot disagree:
+//
+//   SavedRef  what the pack hook returns for an eligible tensor (handler.SavedRef's fields, read and written by the
+//             Python handler at flush time)
+//   Packer    the pack hook of one offload block: points._OffloadBlock's closure + ChunkOffloadHandler.tensor_push
+//             + ineligible_reason. A tensor that is not exactly a torch.Tensor goes to tensor_push.
+//   Unpacker  the unpack hook of one handler: ChunkOffloadHandler.tensor_pop. Only a view whose entry is back on
+//             the device and already waited for is rebuilt here; the rest goes to the handler's _rebuild.
+//
+// Every hook adds its host time to summary.runtime_ns, as the Python hooks do.
+
+#include <Python.h>
+#include <structmember.h>
+
+#include <ATen/ops/empty.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/Storage.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <chrono>
+#include <vector>
+
+namespace {
+
+// set once by init(): torch.Tensor and torch.nn.Parameter (exact-type checks, as the Python hooks make)
+PyObject* g_tensor_type = nullptr;
+PyObject* g_parameter_type = nullptr;
+
+// interned attribute names and rejection reasons (handler.ineligible_reason's words)
+PyObject* s_finished;
+PyObject* s_parameters;
+PyObject* s_runtime_ns;
+PyObject* s_device_storage;
+PyObject* s_compute_waited;
+PyObject* s_rebuild;
+PyObject* s_tensor_push;
+PyObject* s_tensor_pop;
+PyObject* s_offloading_activation;
+PyObject* r_other_device;
+PyObject* r_small;
+PyObject* r_parameter;
+PyObject* r_not_offloadable_storage;
+PyObject* r_conj_neg;
+PyObject* r_marked;
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// summary.runtime_ns += ns (-1 on a Python error)
+int add_runtime(PyObject* summary, int64_t ns) {
+  PyObject* cur = PyObject_GetAttr(summary, s_runtime_ns);
+  if (cur == nullptr) return -1;
+  PyObject* delta = PyLong_FromLongLong(ns);
+  PyObject* sum = delta ? PyNumber_Add(cur, delta) : nullptr;
+  Py_DECREF(cur);
+  Py_XDECREF(delta);
+  if (sum == nullptr) return -1;
+  int rc = PyObject_SetAttr(summary, s_runtime_ns, sum);
+  Py_DECREF(sum);
+  return rc;
+}
+
+// getattr(obj, name, None) without raising (a new reference, or nullptr with an error set)
+PyObject* lookup_attr(PyObject* obj, PyObject* name) {
+  PyObject* out = nullptr;
+#if PY_VERSION_HEX >= 0x030D0000
+  if (PyObject_GetOptionalAttr(obj, name, &out) < 0) return nullptr;
+#else
+  if (_PyObject_LookupAttr(obj, name, &out) < 0) return nullptr;
+#endif
+  if (out == nullptr) {
+    Py_INCREF(Py_None);
+    return Py_None;
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------------- SavedRef
+struct SavedRef {
+  PyObject_HEAD
+  PyObject* tensor;
+  PyObject* group;
+  PyObject* point;
+  PyObject* entry;
+  PyObject* dtype;
+  PyObject* offset;
+  PyObject* size;
+  PyObject* stride;
+};
+
+PyMemberDef saved_ref_members[] = {
+    {"tensor", T_OBJECT, offsetof(SavedRef, tensor), 0, nullptr},
+    {"group", T_OBJECT, offsetof(SavedRef, group), 0, nullptr},
+    {"point", T_OBJECT, offsetof(SavedRef, point), 0, nullptr},
+    {"entry", T_OBJECT, offsetof(SavedRef, entry), 0, nullptr},
+    {"dtype", T_OBJECT, offsetof(SavedRef, dtype), 0, nullptr},
+    {"offset", T_OBJECT, offsetof(SavedRef, offset), 0, nullptr},
+    {"size", T_OBJECT, offsetof(SavedRef, size), 0, nullptr},
+    {"stride", T_OBJECT, offsetof(SavedRef, stride), 0, nullptr},
+    {nullptr, 0, 0, 0, nullptr}};
+
+int saved_ref_traverse(SavedRef* self, visitproc visit, void* arg) {
+  Py_VISIT(self->tensor);
+  Py_VISIT(self->group);
+  Py_VISIT(self->point);
+  Py_VISIT(self->entry);
+  Py_VISIT(self->dtype);
+  Py_VISIT(self->offset);
+  Py_VISIT(self->size);
+  Py_VISIT(self->stride);
+  return 0;
+}
+
+int saved_ref_clear(SavedRef* self) {
+  Py_CLEAR(self->tensor);
+  Py_CLEAR(self->group);
+  Py_CLEAR(self->point);
+  Py_CLEAR(self->entry);
+  Py_CLEAR(self->dtype);
+  Py_CLEAR(self->offset);
+  Py_CLEAR(self->size);
+  Py_CLEAR(self->stride);
+  return 0;
+}
+
+void saved_ref_dealloc(SavedRef* self) {
+  PyObject_GC_UnTrack(self);
+  saved_ref_clear(self);
+  Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
+}
+
+PyTypeObject SavedRefType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+PyObject* new_saved_ref(PyObject* tensor, PyObject* group, PyObject* point) {
+  SavedRef* ref = PyObject_GC_New(SavedRef, &SavedRefType);
+  if (ref == nullptr) return nullptr;
+  Py_INCREF(tensor);
+  Py_INCREF(group);
+  Py_INCREF(point);
+  ref->tensor = tensor;
+  ref->group = group;
+  ref->point = point;
+  ref->entry = ref->dtype = ref->offset = ref->size = ref->stride = nullptr;
+  PyObject_GC_Track(ref);
+  return reinterpret_cast<PyObject*>(ref);
+}
+
+// SavedRef(tensor, group, point), as handler.SavedRef
+PyObject* saved_ref_new(PyTypeObject*, PyObject* args, PyObject* kwargs) {
+  static const char* names[] = {"tensor", "group", "point", nullptr};
+  PyObject *tensor, *group, *point;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO", const_cast<char**>(names), &tensor, &group, &point))
+    return nullptr;
+  return new_saved_ref(tensor, group, point);
+}
+
+// ------------------------------------------------------------------------------------------------------ Packer
+struct Packer {
+  PyObject_HEAD
+  PyObject* handler;
+  PyObject* group;
+  PyObject* point;
+  PyObject* refs;  // group.refs (a list the handler only ever clears, never replaces)
+  PyObject* rejected;  // group.rejected (a dict, likewise)
+  PyObject* summary;
+  PyObject* not_offloadable;  // handler.not_offloadable: data_ptrs of parameter and main_grad storages
+  int64_t device_index;
+  int64_t min_numel;
+  vectorcallfunc vectorcall;
+};
+
+int packer_traverse(Packer* self, visitproc visit, void* arg) {
+  Py_VISIT(self->handler);
+  Py_VISIT(self->group);
+  Py_VISIT(self->point);
+  Py_VISIT(self->refs);
+  Py_VISIT(self->rejected);
+  Py_VISIT(self->summary);
+  Py_VISIT(self->not_offloadable);
+  return 0;
+}
+
+int packer_clear(Packer* self) {
+  Py_CLEAR(self->handler);
+  Py_CLEAR(self->group);
+  Py_CLEAR(self->point);
+  Py_CLEAR(self->refs);
+  Py_CLEAR(self->rejected);
+  Py_CLEAR(self->summary);
+  Py_CLEAR(self->not_offloadable);
+  return 0;
+}
+
+void packer_dealloc(Packer* self) {
+  PyObject_GC_UnTrack(self);
+  packer_clear(self);
+  Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
+}
+
+// group.rejected[reason] += 1
+int count_rejected(PyObject* rejected, PyObject* reason) {
+  PyObject* cur = PyDict_GetItemWithError(rejected, reason);  // borrowed
+  if (cur == nullptr && PyErr_Occurred()) return -1;
+  long long n = cur == nullptr ? 0 : PyLong_AsLongLong(cur);
+  if (n == -1 && PyErr_Occurred()) return -1;
+  PyObject* next = PyLong_FromLongLong(n + 1);
+  if (next == nullptr) return -1;
+  int rc = PyDict_SetItem(rejected, reason, next);
+  Py_DECREF(next);
+  return rc;
+}
+
+// handler.ineligible_reason for an exact torch.Tensor: a borrowed reason, Py_None if eligible, nullptr on error
+PyObject* ineligible_reason(Packer* self, PyObject* saved) {
+  const at::Tensor& t = THPVariable_Unpack(saved);
+  if (t.get_device() != self->device_index) return r_other_device;
+  const c10::Storage& storage = t.storage();
+  if (static_cast<int64_t>(storage.nbytes()) < self->min_numel * static_cast<int64_t>(t.element_size()))
+    return r_small;
+  if (t.requires_grad() && t.is_leaf() && !t.is_view()) return r_parameter;
+  PyObject* ptr = PyLong_FromVoidPtr(const_cast<void*>(storage.data()));
+  if (ptr == nullptr) return nullptr;
+  int held = PySet_Contains(self->not_offloadable, ptr);
+  Py_DECREF(ptr);
+  if (held < 0) return nullptr;
+  if (held) return r_not_offloadable_storage;
+  if (t.is_conj() || t.is_neg()) return r_conj_neg;
+  PyObject* mark = lookup_attr(saved, s_offloading_activation);
+  if (mark == nullptr) return nullptr;
+  bool marked = mark == Py_False;
+  Py_DECREF(mark);
+  return marked ? r_marked : Py_None;
+}
+
+PyObject* packer_pack(Packer* self, PyObject* saved) {
+  HANDLE_TH_ERRORS
+  PyTypeObject* type = Py_TYPE(saved);
+  if (reinterpret_cast<PyObject*>(type) == g_parameter_type) {  // weights: kept, at the least cost
+    PyObject* n = PyObject_GetAttr(self->group, s_parameters);
+    if (n == nullptr) return nullptr;
+    PyObject* one = PyLong_FromLong(1);
+    PyObject* next = one ? PyNumber_Add(n, one) : nullptr;
+    Py_DECREF(n);
+    Py_XDECREF(one);
+    if (next == nullptr) return nullptr;
+    int rc = PyObject_SetAttr(self->group, s_parameters, next);
+    Py_DECREF(next);
+    if (rc < 0) return nullptr;
+    Py_INCREF(saved);
+    return saved;
+  }
+  if (reinterpret_cast<PyObject*>(type) != g_tensor_type || THPVariable_Unpack(saved).layout() != c10::kStrided) {
+    // subclasses, other layouts: the Python hook decides (and counts the reason)
+    return PyObject_CallMethodObjArgs(self->handler, s_tensor_push, saved, self->group, self->point, nullptr);
+  }
+  PyObject* finished = PyObject_GetAttr(self->handler, s_finished);
+  if (finished == nullptr) return nullptr;
+  int done = PyObject_IsTrue(finished);
+  Py_DECREF(finished);
+  if (done < 0) return nullptr;
+  if (done) {
+    Py_INCREF(saved);
+    return saved;
+  }
+  int64_t t0 = now_ns();
+  PyObject* reason = ineligible_reason(self, saved);
+  if (reason == nullptr) return nullptr;
+  PyObject* out;
+  if (reason != Py_None) {
+    if (count_rejected(self->rejected, reason) < 0) return nullptr;
+    Py_INCREF(saved);
+    out = saved;
+  } else {
+    out = new_saved_ref(saved, self->group, self->point);
+    if (out == nullptr) return nullptr;
+    if (PyList_Append(self->refs, out) < 0) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+  }
+  if (add_runtime(self->summary, now_ns() - t0) < 0) {
+    Py_DECREF(out);
+    return nullptr;
+  }
+  return out;
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* packer_vectorcall(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  if (PyVectorcall_NARGS(nargsf) != 1 || kwnames != nullptr) {
+    PyErr_SetString(PyExc_TypeError, "a pack hook takes one tensor");
+    return nullptr;
+  }
+  return packer_pack(reinterpret_cast<Packer*>(self), args[0]);
+}
+
+// Packer(handler, group, point): the pack hook of one offload block
+PyObject* packer_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  static const char* names[] = {"handler", "group", "point", nullptr};
+  PyObject *handler, *group, *point;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO", const_cast<char**>(names), &handler, &group, &point))
+    return nullptr;
+  if (g_tensor_type == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "mcore-offload's native hooks were used before init(); load them through "
+                                        "mcore_offload.runtime.native.load_native()");
+    return nullptr;
+  }
+  PyObject* refs = PyObject_GetAttrString(group, "refs");
+  PyObject* rejected = refs ? PyObject_GetAttrString(group, "rejected") : nullptr;
+  PyObject* summary = rejected ? PyObject_GetAttrString(handler, "summary") : nullptr;
+  PyObject* not_offloadable = summary ? PyObject_GetAttrString(handler, "not_offloadable") : nullptr;
+  PyObject* device_index = not_offloadable ? PyObject_GetAttrString(handler, "device_index") : nullptr;
+  PyObject* min_numel = device_index ? PyObject_GetAttrString(handler, "min_numel") : nullptr;
+  Packer* self = nullptr;
+  if (min_numel != nullptr) {
+    if (!PyList_Check(refs) || !PyDict_Check(rejected) || !PyAnySet_Check(not_offloadable)) {
+      PyErr_SetString(PyExc_TypeError, "Packer: group.refs must be a list, group.rejected a dict and "
+                                       "handler.not_offloadable a set");
+    } else {
+      int64_t dev = PyLong_AsLongLong(device_index);
+      int64_t mn = dev == -1 && PyErr_Occurred() ? -1 : PyLong_AsLongLong(min_numel);
+      if (!PyErr_Occurred()) {
+        self = reinterpret_cast<Packer*>(type->tp_alloc(type, 0));
+        if (self != nullptr) {
+          Py_INCREF(handler);
+          Py_INCREF(group);
+          Py_INCREF(point);
+          self->handler = handler;
+          self->group = group;
+          self->point = point;
+          self->refs = refs;
+          self->rejected = rejected;
+          self->summary = summary;
+          self->not_offloadable = not_offloadable;
+          refs = rejected = summary = not_offloadable = nullptr;  // owned by self now
+          self->device_index = dev;
+          self->min_numel = mn;
+          self->vectorcall = packer_vectorcall;
+        }
+      }
+    }
+  }
+  Py_XDECREF(refs);
+  Py_XDECREF(rejected);
+  Py_XDECREF(summary);
+  Py_XDECREF(not_offloadable);
+  Py_XDECREF(device_index);
+  Py_XDECREF(min_numel);
+  return reinterpret_cast<PyObject*>(self);
+}
+
+PyTypeObject PackerType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+// ---------------------------------------------------------------------------------------------------- Unpacker
+struct Unpacker {
+  PyObject_HEAD
+  PyObject* handler;
+  PyObject* summary;
+  vectorcallfunc vectorcall;
+};
+
+int unpacker_traverse(Unpacker* self, visitproc visit, void* arg) {
+  Py_VISIT(self->handler);
+  Py_VISIT(self->summary);
+  return 0;
+}
+
+int unpacker_clear(Unpacker* self) {
+  Py_CLEAR(self->handler);
+  Py_CLEAR(self->summary);
+  return 0;
+}
+
+void unpacker_dealloc(Unpacker* self) {
+  PyObject_GC_UnTrack(self);
+  unpacker_clear(self);
+  Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
+}
+
+bool int_tuple(PyObject* seq, std::vector<int64_t>& out) {
+  if (!PyTuple_Check(seq)) return false;  // torch.Size is a tuple subclass; stride() answers a tuple
+  Py_ssize_t n = PyTuple_GET_SIZE(seq);
+  out.resize(n);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    out[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(seq, i));
+    if (out[i] == -1 && PyErr_Occurred()) return false;
+  }
+  return true;
+}
+
+// The view of a reloaded entry (handler._rebuild's last two lines), or nullptr with an error set
+PyObject* rebuild_view(SavedRef* ref, PyObject* device_storage) {
+  if (ref->dtype == nullptr || !THPDtype_Check(ref->dtype) || ref->offset == nullptr || ref->size == nullptr ||
+      ref->stride == nullptr || !THPStorage_Check(device_storage)) {
+    PyErr_SetString(PyExc_RuntimeError, "mcore-offload: an offloaded saved tensor lacks its view's layout; this is "
+                                        "a bug, please report it with the model configuration.");
+    return nullptr;
+  }
+  int64_t offset = PyLong_AsLongLong(ref->offset);
+  if (offset == -1 && PyErr_Occurred()) return nullptr;
+  std::vector<int64_t> sizes, strides;
+  if (!int_tuple(ref->size, sizes) || !int_tuple(ref->stride, strides)) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "a saved view's size and stride must be tuples");
+    return nullptr;
+  }
+  const c10::Storage& storage = THPStorage_Unpack(device_storage);
+  at::ScalarType dtype = reinterpret_cast<THPDtype*>(ref->dtype)->scalar_type;
+  at::Tensor view = at::empty({0}, at::TensorOptions().dtype(dtype).device(storage.device()));
+  view.set_(storage, offset, sizes, strides);
+  return THPVariable_Wrap(std::move(view));
+}
+
+PyObject* unpacker_unpack(Unpacker* self, PyObject* tag) {
+  HANDLE_TH_ERRORS
+  if (Py_TYPE(tag) != &SavedRefType) {
+    if (THPVariable_Check(tag)) {  // kept as it was by the pack hook
+      Py_INCREF(tag);
+      return tag;
+    }
+    return PyObject_CallMethodObjArgs(self->handler, s_tensor_pop, tag, nullptr);  // a Python SavedRef
+  }
+  SavedRef* ref = reinterpret_cast<SavedRef*>(tag);
+  if (ref->tensor != nullptr && ref->tensor != Py_None) {
+    Py_INCREF(ref->tensor);
+    return ref->tensor;
+  }
+  int64_t t0 = now_ns();
+  PyObject* out = nullptr;
+  PyObject* storage = nullptr;
+  int waited = 0;
+  if (ref->entry != nullptr && ref->entry != Py_None) {
+    storage = PyObject_GetAttr(ref->entry, s_device_storage);
+    if (storage == nullptr) return nullptr;
+    PyObject* flag = PyObject_GetAttr(ref->entry, s_compute_waited);
+    if (flag == nullptr) {
+      Py_DECREF(storage);
+      return nullptr;
+    }
+    waited = flag == Py_True;
+    Py_DECREF(flag);
+  }
+  if (storage != nullptr && storage != Py_None && waited) {
+    out = rebuild_view(ref, storage);
+  } else {  // not back yet, or not yet waited for: the handler's own path (inline reload, wait, errors)
+    out = PyObject_CallMethodObjArgs(self->handler, s_rebuild, tag, nullptr);
+  }
+  Py_XDECREF(storage);
+  if (out != nullptr && add_runtime(self->summary, now_ns() - t0) < 0) {
+    Py_CLEAR(out);
+  }
+  return out;
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* unpacker_vectorcall(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  if (PyVectorcall_NARGS(nargsf) != 1 || kwnames != nullptr) {
+    PyErr_SetString(PyExc_TypeError, "an unpack hook takes one packed value");
+    return nullptr;
+  }
+  return unpacker_unpack(reinterpret_cast<Unpacker*>(self), args[0]);
+}
+
+// Unpacker(handler): the unpack hook of one handler
+PyObject* unpacker_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  static const char* names[] = {"handler", nullptr};
+  PyObject* handler;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O", const_cast<char**>(names), &handler)) return nullptr;
+  PyObject* summary = PyObject_GetAttrString(handler, "summary");
+  if (summary == nullptr) return nullptr;
+  Unpacker* self = reinterpret_cast<Unpacker*>(type->tp_alloc(type, 0));
+  if (self == nullptr) {
+    Py_DECREF(summary);
+    return nullptr;
+  }
+  Py_INCREF(handler);
+  self->handler = handler;
+  self->summary = summary;
+  self->vectorcall = unpacker_vectorcall;
+  return reinterpret_cast<PyObject*>(self);
+}
+
+PyTypeObject UnpackerType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+// ------------------------------------------------------------------------------------------------------ module
+// init(tensor_type, parameter_type): the exact types the pack hook tests for
+PyObject* module_init(PyObject*, PyObject* args) {
+  PyObject *tensor_type, *parameter_type;
+  if (!PyArg_ParseTuple(args, "OO", &tensor_type, &parameter_type)) return nullptr;
+  if (!PyType_Check(tensor_type) || !PyType_Check(parameter_type)) {
+    PyErr_SetString(PyExc_TypeError, "init(torch.Tensor, torch.nn.Parameter) takes two types");
+    return nullptr;
+  }
+  Py_INCREF(tensor_type);
+  Py_INCREF(parameter_type);
+  Py_XSETREF(g_tensor_type, tensor_type);
+  Py_XSETREF(g_parameter_type, parameter_type);
+  Py_RETURN_NONE;
+}
+
+PyMethodDef module_methods[] = {
+    {"init", module_init, METH_VARARGS, "init(torch.Tensor, torch.nn.Parameter)"},
+    {nullptr, nullptr, 0, nullptr}};
+
+#define MCO_STR_(x) #x
+#define MCO_STR(x) MCO_STR_(x)
+#define MCO_CONCAT_(a, b) a##b
+#define MCO_CONCAT(a, b) MCO_CONCAT_(a, b)
+
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, MCO_STR(TORCH_EXTENSION_NAME),
+                          "mcore-offload's saved-tensor hooks in C++", -1, module_methods};
+
+bool intern_all() {
+  struct {
+    PyObject** slot;
+    const char* text;
+  } names[] = {{&s_finished, "finished"},
+               {&s_parameters, "parameters"},
+               {&s_runtime_ns, "runtime_ns"},
+               {&s_device_storage, "device_storage"},
+               {&s_compute_waited, "compute_waited"},
+               {&s_rebuild, "_rebuild"},
+               {&s_tensor_push, "tensor_push"},
+               {&s_tensor_pop, "tensor_pop"},
+               {&s_offloading_activation, "offloading_activation"},
+               {&r_other_device, "other device"},
+               {&r_small, "under min_offloaded_tensor_size"},
+               {&r_parameter, "parameter"},
+               {&r_not_offloadable_storage, "parameter or main_grad storage"},
+               {&r_conj_neg, "lazy conj/neg view"},
+               {&r_marked, "marked not offloadable"}};
+  for (auto& n : names) {
+    *n.slot = PyUnicode_InternFromString(n.text);
+    if (*n.slot == nullptr) return false;
+  }
+  return true;
+}
+
+void fill_types() {
+  SavedRefType.tp_name = "mcore_offload_native.SavedRef";
+  SavedRefType.tp_basicsize = sizeof(SavedRef);
+  SavedRefType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC;
+  SavedRefType.tp_doc = "What the pack hook returns for an eligible tensor (see handler.SavedRef).";
+  SavedRefType.tp_new = saved_ref_new;
+  SavedRefType.tp_dealloc = reinterpret_cast<destructor>(saved_ref_dealloc);
+  SavedRefType.tp_traverse = reinterpret_cast<traverseproc>(saved_ref_traverse);
+  SavedRefType.tp_clear = reinterpret_cast<inquiry>(saved_ref_clear);
+  SavedRefType.tp_members = saved_ref_members;
+
+  PackerType.tp_name = "mcore_offload_native.Packer";
+  PackerType.tp_basicsize = sizeof(Packer);
+  PackerType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL;
+  PackerType.tp_doc = "Packer(handler, group, point): the pack hook of one offload block.";
+  PackerType.tp_new = packer_new;
+  PackerType.tp_dealloc = reinterpret_cast<destructor>(packer_dealloc);
+  PackerType.tp_traverse = reinterpret_cast<traverseproc>(packer_traverse);
+  PackerType.tp_clear = reinterpret_cast<inquiry>(packer_clear);
+  PackerType.tp_vectorcall_offset = offsetof(Packer, vectorcall);
+  PackerType.tp_call = PyVectorcall_Call;
+
+  UnpackerType.tp_name = "mcore_offload_native.Unpacker";
+  UnpackerType.tp_basicsize = sizeof(Unpacker);
+  UnpackerType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL;
+  UnpackerType.tp_doc = "Unpacker(handler): the unpack hook of one handler.";
+  UnpackerType.tp_new = unpacker_new;
+  UnpackerType.tp_dealloc = reinterpret_cast<destructor>(unpacker_dealloc);
+  UnpackerType.tp_traverse = reinterpret_cast<traverseproc>(unpacker_traverse);
+  UnpackerType.tp_clear = reinterpret_cast<inquiry>(unpacker_clear);
+  UnpackerType.tp_vectorcall_offset = offsetof(Unpacker, vectorcall);
+  UnpackerType.tp_call = PyVectorcall_Call;
+}
+
+}  // namespace
+
+PyMODINIT_FUNC MCO_CONCAT(PyInit_, TORCH_EXTENSION_NAME)(void) {
+  fill_types();
+  if (!intern_all() || PyType_Ready(&SavedRefType) < 0 || PyType_Ready(&PackerType) < 0 ||
+      PyType_Ready(&UnpackerType) < 0)
+    return nullptr;
+  PyObject* m = PyModule_Create(&module_def);
+  if (m == nullptr) return nullptr;
+  if (PyModule_AddObjectRef(m, "SavedRef", reinterpret_cast<PyObject*>(&SavedRefType)) < 0 ||
+      PyModule_AddObjectRef(m, "Packer", reinterpret_cast<PyObject*>(&PackerType)) < 0 ||
+      PyModule_AddObjectRef(m, "Unpacker", reinterpret_cast<PyObject*>(&UnpackerType)) < 0) {
+    Py_DECREF(m);
+    return nullptr;
+  }
+  return m;
+}

@@ -1,0 +1,161 @@
+"""The C++ saved-tensor hooks (runtime/native): built here, deciding exactly as the Python hooks do, and falling back
+with one sentence when they cannot be built."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from mcore_offload.runtime import native, points
+from mcore_offload.runtime.handler import ChunkOffloadHandler, SavedRef
+from mcore_offload.runtime.manager import get_manager
+
+
+@pytest.fixture
+def module(monkeypatch):
+    native.reset()
+    monkeypatch.setenv("MCORE_OFFLOAD_NATIVE", "1")  # CI has a compiler: a failed build fails here
+    yield native.load_native()
+    native.reset()
+
+
+def _handler(min_numel: int = 4, not_offloadable: set[int] | None = None) -> ChunkOffloadHandler:
+    return ChunkOffloadHandler(get_manager(), None, 0, torch.device("cpu"), min_numel, not_offloadable or set())
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+def _cases(protected: torch.Tensor) -> dict[str, torch.Tensor]:
+    leaf = torch.randn(8, 8, requires_grad=True)
+    marked = torch.randn(8, 8)
+    marked.offloading_activation = False
+    also_marked_true = torch.randn(8, 8)
+    also_marked_true.offloading_activation = True
+    return {
+        "plain": torch.randn(8, 8),
+        "view of a large storage": torch.randn(64, 8)[:2],
+        "parameter": torch.nn.Parameter(torch.randn(8, 8)),
+        "leaf that requires grad": leaf,
+        "view of such a leaf": leaf[:4],
+        "small": torch.randn(2),
+        "small view of a large storage": torch.randn(64)[:2],
+        "protected storage": protected[1:],
+        "conj view": torch.randn(8, 8, dtype=torch.complex64).conj(),
+        "neg view": torch._neg_view(torch.randn(8, 8, dtype=torch.complex64).conj()),
+        "marked not offloadable": marked,
+        "marked offloadable": also_marked_true,
+        "tensor subclass": torch.randn(8, 8).as_subclass(_Sub),
+        "sparse": torch.randn(8, 8).to_sparse(),
+        "empty": torch.empty(0),
+        "bool": torch.ones(16, dtype=torch.bool),
+    }
+
+
+def test_the_cpp_pack_hook_decides_as_the_python_one(module):
+    """Every kind of saved tensor gets the same answer (kept as it is, or wrapped) and the same counted reason."""
+    protected = torch.randn(16)
+    handler = _handler(not_offloadable={protected.untyped_storage().data_ptr()})
+    cases = _cases(protected)
+    g_py, g_cpp = handler.open_group("core_attn"), handler.open_group("core_attn")
+    py_pack = points._python_pack(handler, g_py, "core_attn")
+    cpp_pack = module.Packer(handler, g_cpp, "core_attn")
+    for name, t in cases.items():
+        a, b = py_pack(t), cpp_pack(t)
+        assert isinstance(a, SavedRef) == isinstance(b, module.SavedRef), name
+        if isinstance(b, module.SavedRef):
+            assert b.tensor is t and b.group is g_cpp and b.point == "core_attn" and b.entry is None, name
+        else:
+            assert a is t and b is t, name
+    assert g_cpp.rejected == g_py.rejected and g_cpp.parameters == g_py.parameters == 1
+    assert len(g_cpp.refs) == len(g_py.refs) > 0
+    assert [r.tensor for r in g_cpp.refs] == [r.tensor for r in g_py.refs]
+    # the reasons cover every check the C++ hook makes itself
+    assert set(g_cpp.rejected) >= {"parameter", "under min_offloaded_tensor_size", "parameter or main_grad storage",
+                                   "lazy conj/neg view", "marked not offloadable", "tensor subclass or layout"}
+    assert handler.summary.runtime_ns > 0
+
+
+def test_a_finished_handler_packs_nothing(module):
+    handler = _handler()
+    group = handler.open_group("core_attn")
+    handler.finished = True
+    t = torch.randn(8, 8)
+    assert module.Packer(handler, group, "core_attn")(t) is t and not group.refs and not group.rejected
+
+
+def test_the_cpp_unpack_hook_returns_kept_tensors_and_hands_python_refs_back(module):
+    handler = _handler()
+    unpack = module.Unpacker(handler)
+    t = torch.randn(8, 8)
+    assert unpack(t) is t
+    group = handler.open_group("core_attn")
+    assert unpack(module.SavedRef(t, group, "core_attn")) is t  # not offloaded: the very tensor
+    assert unpack(SavedRef(t, group, "core_attn")) is t  # a Python ref goes to tensor_pop
+
+
+def test_the_cpp_unpack_hook_rebuilds_a_view_with_its_layout(module):
+    """A reloaded entry: the view comes back on its storage with the saved offset, sizes and strides."""
+    handler = _handler()
+    base = torch.arange(48, dtype=torch.float32)
+    view = base.view(6, 8)[1:5, 2:7]
+    ref = module.SavedRef(view, handler.open_group("core_attn"), "core_attn")
+    ChunkOffloadHandler._attach(_Entry(base.untyped_storage()), [ref])
+    assert ref.tensor is None
+    got = module.Unpacker(handler)(ref)
+    assert got.dtype == view.dtype and got.shape == view.shape and got.stride() == view.stride()
+    assert got.storage_offset() == view.storage_offset() and torch.equal(got, view)
+    assert got.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+
+
+def test_an_entry_not_yet_waited_for_goes_through_the_handler(module):
+    handler = _handler()
+    calls = []
+    handler._rebuild = lambda ref: calls.append(ref) or torch.zeros(1)
+    ref = module.SavedRef(torch.randn(4), handler.open_group("core_attn"), "core_attn")
+    entry = _Entry(torch.randn(4).untyped_storage())
+    entry.compute_waited = False
+    ChunkOffloadHandler._attach(entry, [ref])
+    module.Unpacker(handler)(ref)
+    assert calls == [ref]
+
+
+class _Entry:
+    """What the unpack hook reads of a reloaded handler.Entry."""
+
+    def __init__(self, storage: torch.UntypedStorage) -> None:
+        self.device_storage, self.compute_waited, self.users = storage, True, 0
+
+
+def test_the_manager_uses_the_cpp_hooks_by_default(module, monkeypatch):
+    monkeypatch.delenv("MCORE_OFFLOAD_NATIVE")
+    assert get_manager().native is module
+
+
+def test_a_failed_build_falls_back_with_one_warning_or_raises_when_required(monkeypatch, caplog):
+    def broken(verbose: bool = False):
+        raise OSError("no C++ compiler")
+
+    monkeypatch.setattr(native, "build", broken)
+    native.reset()
+    monkeypatch.setenv("MCORE_OFFLOAD_NATIVE", "auto")
+    with caplog.at_level(logging.WARNING, logger="mcore_offload"):
+        assert native.load_native() is None
+        assert native.load_native() is None  # tried once per process
+    assert [r.getMessage() for r in caplog.records if "did not build" in r.getMessage()] == [
+        "mcore-offload: the C++ saved-tensor hooks did not build (no C++ compiler); using the Python hooks "
+        "(set MCORE_OFFLOAD_NATIVE=0 to skip this attempt)"]
+    native.reset()
+    monkeypatch.setenv("MCORE_OFFLOAD_NATIVE", "1")
+    with pytest.raises(RuntimeError, match="MCORE_OFFLOAD_NATIVE=1 but the C\\+\\+ hooks did not build"):
+        native.load_native()
+    native.reset()
+
+
+def test_a_bad_mode_is_one_sentence(monkeypatch):
+    monkeypatch.setenv("MCORE_OFFLOAD_NATIVE", "yes")
+    with pytest.raises(ValueError, match="MCORE_OFFLOAD_NATIVE='yes' is not one of auto"):
+        native.load_native()
