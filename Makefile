@@ -19,7 +19,10 @@ $(VENV)/.ready: pyproject.toml
 lint: env
 	$(VENV)/bin/ruff check mcore_offload tests benchmarks
 
+# The C++ saved-tensor hooks are built (or found in the cache) before the tests, not inside the first test that
+# needs them; where they cannot be built this prints why and the tests that need them skip.
 test: env lint
+	$(VENV)/bin/mcore-offload build-native || true
 	$(PY) -m pytest -q -p no:cacheprovider
 
 demo: env

@@ -15,6 +15,8 @@ from mcore_offload.runtime.manager import get_manager
 
 @pytest.fixture
 def module(monkeypatch):
+    if native.toolchain_missing():  # where the tools are there, a failed build fails the test
+        pytest.skip(f"the C++ hooks cannot be built here: {native.toolchain_missing()}")
     native.reset()
     monkeypatch.setenv("MCORE_OFFLOAD_NATIVE", "1")  # CI has a compiler: a failed build fails here
     yield native.load_native()

@@ -52,6 +52,18 @@ def cache_dir() -> Path:
     return Path(base) / "mcore_offload"
 
 
+def toolchain_missing() -> str | None:
+    """What the build needs and this machine lacks (None: a C++ compiler and ninja are there)."""
+    import shutil
+
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler!r} is not on PATH)"
+    if shutil.which("ninja") is None:
+        return "no ninja on PATH"
+    return None
+
+
 def build_name() -> str:
     """The extension's name: one per source text, torch version and Python version (a rebuild when any changes)."""
     key = hashlib.sha256(SOURCE.read_bytes())
