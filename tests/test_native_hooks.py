@@ -161,3 +161,26 @@ def test_a_bad_mode_is_one_sentence(monkeypatch):
     monkeypatch.setenv("MCORE_OFFLOAD_NATIVE", "yes")
     with pytest.raises(ValueError, match="MCORE_OFFLOAD_NATIVE='yes' is not one of auto"):
         native.load_native()
+
+
+@pytest.mark.skipif(native.toolchain_missing() is not None, reason="needs a C++ compiler and ninja")
+def test_ranks_building_at_once_into_an_empty_cache_all_load_it(tmp_path):
+    """torchrun starts every rank at once: one compiles, the others wait for its lock, and all load the same build;
+    the lock file a killed build left behind does not make them wait for ever."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import logging; logging.basicConfig(level=logging.WARNING)\n"
+            "from mcore_offload.runtime import native\n"
+            "print(native.build().__file__)")
+    env = {**os.environ, "MCORE_OFFLOAD_CACHE_DIR": str(tmp_path)}
+    directory = tmp_path / native.build_name()
+    directory.mkdir()
+    (directory / "lock").touch()  # PyTorch's builder waits for this file to go, without end
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    paths = {out.strip().splitlines()[-1] for out, _ in outs}
+    assert len(paths) == 1 and str(directory) in paths.pop()

@@ -13,16 +13,19 @@ alike; ``tests/test_native_hooks.py`` checks that they do.
 - ``1``: the same, but a failed build raises;
 - ``0``: the Python hooks.
 
-The build goes to ``MCORE_OFFLOAD_CACHE_DIR`` (default ``~/.cache/mcore_offload``); concurrent ranks wait on the
-builder's lock file. ``python -m mcore_offload build-native`` builds ahead of a run.
+The build goes to ``MCORE_OFFLOAD_CACHE_DIR`` (default ``~/.cache/mcore_offload``); ranks that start at once take
+turns on a kernel lock (one compiles, the others then load its build). ``python -m mcore_offload build-native``
+builds ahead of a run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -78,12 +81,36 @@ def build(verbose: bool = False) -> ModuleType:
     name = build_name()
     directory = cache_dir() / name
     directory.mkdir(parents=True, exist_ok=True)
-    if not any(directory.glob(f"{name}*.so")):
-        logger.info("mcore-offload: compiling the C++ saved-tensor hooks into %s (once; about a minute)", directory)
-    module = load(name=name, sources=[str(SOURCE)], build_directory=str(directory), extra_cflags=["-O2"],
-                  verbose=verbose)
+    with _exclusive(directory):
+        # PyTorch's builder takes a lock file here even to load a finished build and waits for it without end; no
+        # other process is inside this block, so one found now was left by a build that was killed
+        baton = directory / "lock"
+        if baton.exists():
+            logger.warning("mcore-offload: removing %s, left by a build that did not finish", baton)
+            baton.unlink(missing_ok=True)
+        if not any(directory.glob(f"{name}*.so")):
+            logger.info("mcore-offload: compiling the C++ saved-tensor hooks into %s (once; about 30 s)", directory)
+        module = load(name=name, sources=[str(SOURCE)], build_directory=str(directory), extra_cflags=["-O2"],
+                      verbose=verbose)
     module.init(torch.Tensor, torch.nn.Parameter)
     return module
+
+
+@contextlib.contextmanager
+def _exclusive(directory: Path) -> Iterator[None]:
+    """One process at a time (torchrun starts every rank at once): an advisory lock the kernel drops when its holder
+    exits, so a killed build never blocks the next one."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: PyTorch's own lock file only
+        yield
+        return
+    with open(directory / "build.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def load_native() -> ModuleType | None:
