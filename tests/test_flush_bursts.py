@@ -131,12 +131,19 @@ def test_node_hooks_add_no_autograd_node(monkeypatch):
 
 
 class _FakeRuntime:
-    """The CUDA runtime calls RawCudaTransport.to_device makes, recorded (stream_wait: which events)."""
+    """The CUDA runtime calls RawCudaTransport.to_device makes, recorded (stream_wait: which events). The copies
+    come through ``memcpy`` (the Python loop) or through the C-callable at ``memcpy_address`` (the C++ loop)."""
 
     memcpy_batch = None  # copies one by one
 
     def __init__(self):
+        import ctypes
+
         self.waits, self.copies, self.calls = [], 0, []
+        vp = ctypes.c_void_p
+        self._c_memcpy = ctypes.CFUNCTYPE(ctypes.c_int, vp, vp, ctypes.c_size_t, ctypes.c_int, vp)(
+            lambda dst, src, n, kind, stream: self.memcpy(dst, src, n, kind, stream))
+        self.memcpy_address = ctypes.cast(self._c_memcpy, vp).value
 
     def event_record(self, event, stream):
         self.calls.append(("record", event))
@@ -152,19 +159,34 @@ class _FakeRuntime:
         return 0
 
 
-def test_a_reload_waits_only_on_d2h_bursts_not_yet_seen_complete():
+def _raw_transport(native_impl: str):
+    """A RawCudaTransport without CUDA (only what to_device touches), with the C++ or the Python copy loop."""
     from collections import deque
     from types import SimpleNamespace
 
+    from mcore_offload.runtime import native
     from mcore_offload.runtime.telemetry import LinkTelemetry
     from mcore_offload.runtime.transport import RawCudaTransport
 
-    t = object.__new__(RawCudaTransport)  # no CUDA here: only what to_device touches
+    t = object.__new__(RawCudaTransport)
     t.rt = _FakeRuntime()
     t._held = deque()
-    t._h2d_handle, t._h2d_fence = "h2d", SimpleNamespace(handle="fence")
+    t._h2d_handle, t._h2d_fence = H2D, SimpleNamespace(handle="fence")
     t.telemetry = LinkTelemetry(None)
     t._compute_handle = lambda: "compute"
+    t.device_index = -1  # the CPU
+    t.native = native.load_native() if native_impl == "native" else None
+    assert (t.native is not None) == (native_impl == "native")
+    return t
+
+
+H2D = 0x42  # the side stream's handle in these tests
+
+
+def test_a_reload_waits_only_on_d2h_bursts_not_yet_seen_complete(hook_impl):
+    from types import SimpleNamespace
+
+    t = _raw_transport(hook_impl)
     t._done_event = lambda: SimpleNamespace(handle="done")
     seen, unseen = SimpleNamespace(handle="seen", seen_done=True), SimpleNamespace(handle="unseen", seen_done=False)
     hosts = [torch.zeros(4, dtype=torch.uint8) for _ in range(3)]
@@ -177,23 +199,14 @@ def test_a_reload_waits_only_on_d2h_bursts_not_yet_seen_complete():
     t.rt.memcpy_batch = True
     t.rt.memcpy_many = lambda dsts, srcs, sizes, stream: batches.append((len(dsts), sizes, stream)) or 0
     t.to_device(hosts, [4, 4, 4], [seen], torch.device("cpu"))
-    assert batches == [(3, [4, 4, 4], "h2d")] and t.rt.copies == 3
+    assert batches == [(3, [4, 4, 4], H2D)] and t.rt.copies == 3
 
 
-def test_a_reload_in_parts_records_a_done_event_after_each_part_in_order():
-    from collections import deque
+def test_a_reload_in_parts_records_a_done_event_after_each_part_in_order(hook_impl):
     from itertools import count
     from types import SimpleNamespace
 
-    from mcore_offload.runtime.telemetry import LinkTelemetry
-    from mcore_offload.runtime.transport import RawCudaTransport
-
-    t = object.__new__(RawCudaTransport)
-    t.rt = _FakeRuntime()
-    t._held = deque()
-    t._h2d_handle, t._h2d_fence = "h2d", SimpleNamespace(handle="fence")
-    t.telemetry = LinkTelemetry(None)
-    t._compute_handle = lambda: "compute"
+    t = _raw_transport(hook_impl)
     n = count()
     t._done_event = lambda: SimpleNamespace(handle=f"done{next(n)}")
     hosts = [torch.zeros(8, dtype=torch.uint8) for _ in range(3)]

@@ -184,3 +184,82 @@ def test_ranks_building_at_once_into_an_empty_cache_all_load_it(tmp_path):
     assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
     paths = {out.strip().splitlines()[-1] for out, _ in outs}
     assert len(paths) == 1 and str(directory) in paths.pop()
+
+
+def _saved_groups(ref_type, handler):
+    """Two groups saving q, k, v views of one fused storage, a tensor of its own, and one view again."""
+    fused = torch.randn(8, 48)
+    own = torch.randn(4, 4)
+    q, k, v = fused.split(16, dim=-1)
+    g1, g2 = handler.open_group("qkv_linear"), handler.open_group("core_attn")
+    g1.refs += [ref_type(q, g1, "qkv_linear"), ref_type(own, g1, "qkv_linear")]
+    g2.refs += [ref_type(k, g2, "core_attn"), ref_type(v.t(), g2, "core_attn"), ref_type(q, g2, "core_attn")]
+    done = ref_type(torch.randn(3), g2, "core_attn")
+    done.tensor = None  # attached already: skipped
+    g2.refs.append(done)
+    return [g1, g2], (fused, own)
+
+
+def test_the_cpp_flush_grouping_and_attach_match_the_python_ones(module):
+    handler = _handler()
+    for ref_type in (module.SavedRef, SavedRef):  # the C++ helpers also take Python refs
+        groups, keep = _saved_groups(ref_type, handler)
+        got = module.storages_of(groups)
+        want: dict = {}
+        for g in groups:
+            for r in g.refs:
+                if r.tensor is not None:
+                    st = r.tensor.untyped_storage()
+                    want.setdefault(st.data_ptr(), (st, []))[1].append(r)
+        assert list(got) == list(want) == [t.untyped_storage().data_ptr() for t in keep]
+        for ptr, (st, refs) in got.items():
+            assert st.data_ptr() == ptr and st.nbytes() == want[ptr][0].nbytes() and refs == want[ptr][1]
+        layouts = {id(r): (r.tensor.dtype, r.tensor.storage_offset(), tuple(r.tensor.shape), r.tensor.stride())
+                   for g in groups for r in g.refs if r.tensor is not None}
+        entry = _Entry(torch.randn(1).untyped_storage())
+        fused_refs = got[keep[0].untyped_storage().data_ptr()][1]
+        module.attach(entry, fused_refs)
+        for r in fused_refs:
+            assert r.tensor is None and r.entry is entry
+            assert (r.dtype, r.offset, tuple(r.size), tuple(r.stride)) == layouts[id(r)]
+        # each group lists the entry once and the entry counts each group once
+        assert [g.entries for g in groups] == [[entry], [entry]] and entry.users == 2
+        module.attach(entry, [ref_type(torch.randn(2), groups[1], "core_attn")])
+        assert groups[1].entries == [entry] and entry.users == 2
+
+
+def test_attach_refuses_a_ref_without_its_tensor(module):
+    handler = _handler()
+    ref = module.SavedRef(torch.randn(2), handler.open_group("core_attn"), "core_attn")
+    ref.tensor = None
+    with pytest.raises(RuntimeError, match="no tensor left"):
+        module.attach(_Entry(torch.randn(1).untyped_storage()), [ref])
+
+
+def test_the_cpp_copy_loop_passes_each_copy_to_the_runtime_and_stops_at_the_first_error(module):
+    """The loop calls the function at the given address (here a ctypes callback standing in for cudaMemcpyAsync) with
+    each copy's addresses, size, kind and stream, in order."""
+    import ctypes
+
+    calls = []
+    answers = iter([0, 0, 700])
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
+    def fake_memcpy(dst, src, n, kind, stream):
+        calls.append((dst, src, n, kind, stream))
+        return next(answers)
+
+    address = ctypes.cast(fake_memcpy, ctypes.c_void_p).value
+    hosts = [torch.empty(64, dtype=torch.uint8), torch.empty(32, dtype=torch.uint8)]
+    storages = module.empty_storages([64, 16], -1)
+    assert [s.nbytes() for s in storages] == [64, 16] and storages[0].data_ptr() != storages[1].data_ptr()
+    assert module.copy_burst(address, storages, hosts, [64, 16], 1, 1234) == 0
+    assert calls == [(storages[0].data_ptr(), hosts[0].data_ptr(), 64, 1, 1234),
+                     (storages[1].data_ptr(), hosts[1].data_ptr(), 16, 1, 1234)]
+    calls.clear()
+    assert module.copy_burst(address, hosts, storages, [8, 8], 2, 5) == 700  # its first copy fails: no second one
+    assert calls == [(hosts[0].data_ptr(), storages[0].data_ptr(), 8, 2, 5)]
+    with pytest.raises(ValueError, match="three lists of one length"):
+        module.copy_burst(address, hosts, storages[:1], [8, 8], 2, 5)
+    with pytest.raises(TypeError, match="tensors and untyped storages only"):
+        module.copy_burst(address, [object()], storages[:1], [8], 2, 5)

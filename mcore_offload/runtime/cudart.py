@@ -153,6 +153,7 @@ class CudaRuntime:
             return fn
 
         self.memcpy = bind("cudaMemcpyAsync", vp, vp, ctypes.c_size_t, i, vp)
+        self.memcpy_address = ctypes.cast(self.memcpy, vp).value  # for the C++ copy loop (runtime/native)
         self.event_create = bind("cudaEventCreateWithFlags", ctypes.POINTER(vp), u)
         self.event_record = bind("cudaEventRecord", vp, vp)
         self.stream_wait = bind("cudaStreamWaitEvent", vp, vp, u)

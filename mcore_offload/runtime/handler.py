@@ -321,17 +321,22 @@ class ChunkOffloadHandler(HandlerBase):
         groups, self.pending = self.pending, []
         if not groups or self.finished:
             return
-        by_storage: dict[int, tuple[torch.UntypedStorage, list[SavedRef]]] = {}
-        for group in groups:
-            for ref in group.refs:
-                if ref.tensor is not None:
-                    st = ref.tensor.untyped_storage()
-                    by_storage.setdefault(st.data_ptr(), (st, []))[1].append(ref)
+        native = self.manager.native  # the C++ helpers (runtime/native), or None
+        attach = self._attach if native is None else native.attach
+        if native is not None:
+            by_storage = native.storages_of(groups)
+        else:
+            by_storage: dict[int, tuple[torch.UntypedStorage, list[SavedRef]]] = {}
+            for group in groups:
+                for ref in group.refs:
+                    if ref.tensor is not None:
+                        st = ref.tensor.untyped_storage()
+                        by_storage.setdefault(st.data_ptr(), (st, []))[1].append(ref)
         to_copy: list[tuple[int, torch.UntypedStorage, list[SavedRef]]] = []
         for ptr, (st, refs) in by_storage.items():
             entry = self.live.get(ptr)
             if entry is not None:  # already offloaded by an earlier group of this chunk
-                self._attach(entry, refs)
+                attach(entry, refs)
                 continue
             if len(refs) == 1:  # the common case, without the set of distinct views (and no local
                 # name for the tensor: _held_elsewhere counts Python references)
@@ -360,7 +365,7 @@ class ChunkOffloadHandler(HandlerBase):
                     auto.offloaded(self.vp_stage, self.microbatch, refs[0].group.layer, entry.point, entry.nbytes)
                 elif auto.tracing_peak:
                     entry.peak_key = (self.vp_stage, refs[0].group.layer, entry.point)
-            self._attach(entry, refs)
+            attach(entry, refs)
 
     def _released_callback(self, ptr: int, entry: Entry):
         def released(_: object) -> None:

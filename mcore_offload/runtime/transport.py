@@ -24,6 +24,7 @@ from mcore_offload.runtime.cudart import (
     RawEvent,
     load_runtime,
 )
+from mcore_offload.runtime.native import load_native
 from mcore_offload.runtime.telemetry import LinkTelemetry
 
 logger = logging.getLogger(__name__)
@@ -453,6 +454,8 @@ class RawCudaTransport(CudaTransport):
         self._h2d_fence = EventPool(runtime, self.device_index, timed=False).get()
         self._d2h_handle = self.d2h_stream.cuda_stream
         self._h2d_handle = self.h2d_stream.cuda_stream
+        # the C++ copy loop and reload allocations (runtime/native), or None: the Python ones (MCORE_OFFLOAD_NATIVE)
+        self.native = load_native()
         if runtime.memcpy_batch is not None and not self._batch_copy_works():
             runtime.memcpy_batch = None
         if host_memory_kind() == "write-combined":
@@ -517,7 +520,10 @@ class RawCudaTransport(CudaTransport):
         record, stream_wait = rt.event_record, rt.stream_wait
         h2d = self._h2d_handle
         # Allocated on the compute stream, which is the stream that consumes and later frees them.
-        out = [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
+        if self.native is not None:
+            out = self.native.empty_storages(sizes, self.device_index)
+        else:
+            out = [torch.empty(n, dtype=torch.uint8, device=device).untyped_storage() for n in sizes]
         fence = self._h2d_fence.handle
         # The new blocks may be memory the compute stream has just freed and still reads.
         err = record(fence, self._compute_handle()) or stream_wait(h2d, fence, 0)
@@ -540,7 +546,7 @@ class RawCudaTransport(CudaTransport):
                                                h2d))
                 first = end
         self.telemetry.span("h2d", start, events[-1], sum(sizes), keep_end=True)
-        return [dst.untyped_storage() for dst in out], events
+        return out, events
 
     def _copy_burst(self, dsts: list, srcs: list, sizes: list[int], kind: int, stream: int) -> RawEvent:
         """Copy the first ``sizes[i]`` bytes of ``srcs[i]`` to ``dsts[i]`` (tensors or storages) on ``stream``, then
@@ -550,6 +556,10 @@ class RawCudaTransport(CudaTransport):
             err = rt.memcpy_many([d.data_ptr() for d in dsts], [s.data_ptr() for s in srcs], sizes, stream)
             if err:
                 rt.fail("cudaMemcpyBatchAsync", err)
+        elif self.native is not None:  # the same loop in C++
+            err = self.native.copy_burst(rt.memcpy_address, dsts, srcs, sizes, kind, stream)
+            if err:
+                rt.fail("cudaMemcpyAsync", err)
         else:
             memcpy = rt.memcpy
             for dst, src, n in zip(dsts, srcs, sizes):

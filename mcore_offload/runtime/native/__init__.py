@@ -1,10 +1,12 @@
-"""The saved-tensor hooks in C++ (``hooks.cpp``), built on first use with PyTorch's extension builder.
+"""The runtime's per-tensor and per-storage steps in C++ (``hooks.cpp``), built on first use with PyTorch's extension
+builder.
 
-Why: in a launch-bound step (config A on an H100) the runtime's host time is step time, and the pack and unpack
-hooks run once per saved tensor: 6.8 and 6.7 µs each in Python (session 18's breakdown, A attention set, 1,856
-calls per step). The C++ hooks do the same checks and the same view rebuild without a Python frame, and hand every
-uncommon case (tensor subclasses, other layouts, a storage not back yet) to the Python hooks, so both paths decide
-alike; ``tests/test_native_hooks.py`` checks that they do.
+Why: in a launch-bound step (config A on an H100) the runtime's host time is step time, and some of its steps run
+once per saved tensor or per storage: the pack and unpack hooks (6.8 and 6.7 µs each in Python, 1,856 calls per step
+in session 18's breakdown of A's attention set), the copy-out's grouping by storage and its per-view bookkeeping, the
+per-copy loop and the reload's allocations. The C++ versions do the same checks and the same work without a Python
+frame, and hand every uncommon case (tensor subclasses, other layouts, a storage not back yet) to the Python code, so
+both paths decide alike; ``tests/test_native_hooks.py`` checks that they do.
 
 ``MCORE_OFFLOAD_NATIVE``:
 
