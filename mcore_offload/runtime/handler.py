@@ -322,10 +322,10 @@ class ChunkOffloadHandler(HandlerBase):
         if not groups or self.finished:
             return
         native = self.manager.native  # the C++ helpers (runtime/native), or None
-        attach = self._attach if native is None else native.attach
         if native is not None:
-            by_storage = native.storages_of(groups)
+            by_storage, attach = native.storages_of(groups), native.attach
         else:
+            attach = self._attach
             by_storage: dict[int, tuple[torch.UntypedStorage, list[SavedRef]]] = {}
             for group in groups:
                 for ref in group.refs:
