@@ -38,6 +38,7 @@ PyObject* g_parameter_type = nullptr;
 // interned attribute names and rejection reasons (handler.ineligible_reason's words)
 PyObject* s_finished;
 PyObject* s_parameters;
+PyObject* s_users;
 PyObject* s_runtime_ns;
 PyObject* s_device_storage;
 PyObject* s_compute_waited;
@@ -58,19 +59,22 @@ int64_t now_ns() {
       .count();
 }
 
-// summary.runtime_ns += ns (-1 on a Python error)
-int add_runtime(PyObject* summary, int64_t ns) {
-  PyObject* cur = PyObject_GetAttr(summary, s_runtime_ns);
+// obj.<name> += delta (-1 on a Python error): the counters the Python code keeps (runtime_ns, parameters, users)
+int add_to_attr(PyObject* obj, PyObject* name, int64_t delta) {
+  PyObject* cur = PyObject_GetAttr(obj, name);
   if (cur == nullptr) return -1;
-  PyObject* delta = PyLong_FromLongLong(ns);
-  PyObject* sum = delta ? PyNumber_Add(cur, delta) : nullptr;
+  PyObject* step = PyLong_FromLongLong(delta);
+  PyObject* sum = step ? PyNumber_Add(cur, step) : nullptr;
   Py_DECREF(cur);
-  Py_XDECREF(delta);
+  Py_XDECREF(step);
   if (sum == nullptr) return -1;
-  int rc = PyObject_SetAttr(summary, s_runtime_ns, sum);
+  int rc = PyObject_SetAttr(obj, name, sum);
   Py_DECREF(sum);
   return rc;
 }
+
+// summary.runtime_ns += ns (-1 on a Python error)
+int add_runtime(PyObject* summary, int64_t ns) { return add_to_attr(summary, s_runtime_ns, ns); }
 
 // getattr(obj, name, None) without raising (a new reference, or nullptr with an error set)
 PyObject* lookup_attr(PyObject* obj, PyObject* name) {
@@ -248,16 +252,7 @@ PyObject* packer_pack(Packer* self, PyObject* saved) {
   HANDLE_TH_ERRORS
   PyTypeObject* type = Py_TYPE(saved);
   if (reinterpret_cast<PyObject*>(type) == g_parameter_type) {  // weights: kept, at the least cost
-    PyObject* n = PyObject_GetAttr(self->group, s_parameters);
-    if (n == nullptr) return nullptr;
-    PyObject* one = PyLong_FromLong(1);
-    PyObject* next = one ? PyNumber_Add(n, one) : nullptr;
-    Py_DECREF(n);
-    Py_XDECREF(one);
-    if (next == nullptr) return nullptr;
-    int rc = PyObject_SetAttr(self->group, s_parameters, next);
-    Py_DECREF(next);
-    if (rc < 0) return nullptr;
+    if (add_to_attr(self->group, s_parameters, 1) < 0) return nullptr;
     Py_INCREF(saved);
     return saved;
   }
@@ -651,12 +646,7 @@ PyObject* module_attach(PyObject*, PyObject* args) {
     PyObject* entries = PyObject_GetAttrString(group, "entries");
     int has = entries ? PySequence_Contains(entries, entry) : -1;
     if (has == 0) {
-      PyObject* users = PyList_Append(entries, entry) == 0 ? PyObject_GetAttrString(entry, "users") : nullptr;
-      PyObject* one = users ? PyLong_FromLong(1) : nullptr;
-      PyObject* more = one ? PyNumber_Add(users, one) : nullptr;
-      ok = set_attr_steal(entry, "users", more) == 0;
-      Py_XDECREF(users);
-      Py_XDECREF(one);
+      ok = PyList_Append(entries, entry) == 0 && add_to_attr(entry, s_users, 1) == 0;
     } else {
       ok = has > 0;
     }
@@ -783,6 +773,7 @@ bool intern_all() {
     const char* text;
   } names[] = {{&s_finished, "finished"},
                {&s_parameters, "parameters"},
+               {&s_users, "users"},
                {&s_runtime_ns, "runtime_ns"},
                {&s_device_storage, "device_storage"},
                {&s_compute_waited, "compute_waited"},
