@@ -321,7 +321,13 @@ class ChunkOffloadHandler(HandlerBase):
         groups, self.pending = self.pending, []
         if not groups or self.finished:
             return
-        native = self.manager.native  # the C++ helpers (runtime/native), or None
+        manager = self.manager
+        native = manager.native  # the C++ helpers (runtime/native), or None
+        probing = manager.auto is not None and manager.auto.plan is None
+        if native is not None and manager.offload_log is None and not probing:
+            # all of the below in C++ (copy_path.cpp: copy_out), for a step that neither audits nor probes
+            native.copy_out(self, groups, _held_by_other_than_many, ROUTED_POINTS, MIN_STORAGE_COVERAGE)
+            return
         if native is not None:
             by_storage, attach = native.storages_of(groups), native.attach
         else:

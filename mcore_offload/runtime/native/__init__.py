@@ -1,12 +1,14 @@
-"""The runtime's per-tensor and per-storage steps in C++ (``hooks.cpp``), built on first use with PyTorch's extension
-builder.
+"""The runtime's per-tensor and per-storage steps in C++ (``hooks.cpp``: the saved-tensor hooks; ``copy_path.cpp`` and
+``entry.cpp``: the copy-out and copy helpers), built on first use with PyTorch's extension builder.
 
 Why: in a launch-bound step (config A on an H100) the runtime's host time is step time, and some of its steps run
 once per saved tensor or per storage: the pack and unpack hooks (6.8 and 6.7 µs each in Python, 1,856 calls per step
-in session 18's breakdown of A's attention set), the copy-out's grouping by storage and its per-view bookkeeping, the
-per-copy loop and the reload's allocations. The C++ versions do the same checks and the same work without a Python
-frame, and hand every uncommon case (tensor subclasses, other layouts, a storage not back yet) to the Python code, so
-both paths decide alike; ``tests/test_native_hooks.py`` checks that they do.
+in session 18's breakdown of A's attention set), the copy-out (grouping by storage, alias checks, one entry and
+release callback per storage, per-view bookkeeping: about 200 µs of Python per burst of about ten storages in session
+20's breakdown), the per-copy loop and the reload's allocations. The C++ versions do the same checks and the same
+work without a Python frame, and hand every uncommon case (tensor subclasses, other layouts, a storage not back yet,
+a storage several saved views share when deciding whether another tensor holds it) to the Python code, so both paths
+decide alike; ``tests/test_native_hooks.py`` checks that they do.
 
 ``MCORE_OFFLOAD_NATIVE``:
 
@@ -37,7 +39,8 @@ from mcore_offload.config import choice_env
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("hooks.cpp")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("hooks.cpp", "copy_path.cpp", "entry.cpp"))
+HEADERS = (Path(__file__).with_name("common.h"),)
 MODES = ("auto", "0", "1")
 
 _state: dict[str, ModuleType | None] = {}  # "module": the loaded module or None (tried and failed); reset()
@@ -71,7 +74,9 @@ def toolchain_missing() -> str | None:
 
 def build_name() -> str:
     """The extension's name: one per source text, torch version and Python version (a rebuild when any changes)."""
-    key = hashlib.sha256(SOURCE.read_bytes())
+    key = hashlib.sha256()
+    for path in (*SOURCES, *HEADERS):
+        key.update(path.read_bytes())
     key.update(f"{torch.__version__}|{sys.version_info[:2]}|{sys.platform}".encode())
     return f"mcore_offload_hooks_{key.hexdigest()[:12]}"
 
@@ -92,8 +97,8 @@ def build(verbose: bool = False) -> ModuleType:
             baton.unlink(missing_ok=True)
         if not any(directory.glob(f"{name}*.so")):
             logger.info("mcore-offload: compiling the C++ saved-tensor hooks into %s (once; about 30 s)", directory)
-        module = load(name=name, sources=[str(SOURCE)], build_directory=str(directory), extra_cflags=["-O2"],
-                      verbose=verbose)
+        module = load(name=name, sources=[str(p) for p in SOURCES], build_directory=str(directory),
+                      extra_cflags=["-O2"], verbose=verbose)
     module.init(torch.Tensor, torch.nn.Parameter)
     return module
 

@@ -1,8 +1,7 @@
-// The saved-tensor hooks of an offload point, in C++ (see __init__.py for why and how this is built).
+// The saved-tensor hooks of an offload point, in C++ (see __init__.py for why and how this is built), and the module.
 //
-// Three types and four helpers, each doing exactly what its Python counterpart in runtime/handler.py,
-// runtime/points.py or runtime/transport.py does for the common case, and handing every other case to that Python
-// code, so that the two paths cannot disagree:
+// Three types, each doing exactly what its Python counterpart in runtime/handler.py or runtime/points.py does for
+// the common case, and handing every other case to that Python code, so that the two paths cannot disagree:
 //
 //   SavedRef  what the pack hook returns for an eligible tensor (handler.SavedRef's fields, read and written by the
 //             Python handler at flush time)
@@ -10,32 +9,19 @@
 //             + ineligible_reason. A tensor that is not exactly a torch.Tensor goes to tensor_push.
 //   Unpacker  the unpack hook of one handler: ChunkOffloadHandler.tensor_pop. Only a view whose entry is back on
 //             the device and already waited for is rebuilt here; the rest goes to the handler's _rebuild.
-//   storages_of, attach   handler.flush's grouping of saved refs by storage, and handler._attach (per saved ref,
-//             on the copy-out path).
-//   copy_burst, empty_storages   RawCudaTransport's per-copy loop and its reload allocations (per storage).
 //
-// Every hook adds its host time to summary.runtime_ns, as the Python hooks do.
+// The copy-out and copy helpers are in copy_path.cpp and entry.cpp. Every hook adds its host time to summary.runtime_ns, as the
+// Python hooks do.
 
-#include <Python.h>
-#include <structmember.h>
+#include "common.h"
 
-#include <ATen/ops/empty.h>
-#include <torch/csrc/DynamicTypes.h>
-#include <torch/csrc/Dtype.h>
-#include <torch/csrc/Exceptions.h>
-#include <torch/csrc/Storage.h>
-#include <torch/csrc/autograd/python_variable.h>
-
-#include <chrono>
-#include <vector>
-
-namespace {
+namespace mco {
 
 // set once by init(): torch.Tensor and torch.nn.Parameter (exact-type checks, as the Python hooks make)
 PyObject* g_tensor_type = nullptr;
 PyObject* g_parameter_type = nullptr;
 
-// interned attribute names and rejection reasons (handler.ineligible_reason's words)
+// interned attribute names
 PyObject* s_finished;
 PyObject* s_parameters;
 PyObject* s_users;
@@ -46,6 +32,8 @@ PyObject* s_rebuild;
 PyObject* s_tensor_push;
 PyObject* s_tensor_pop;
 PyObject* s_offloading_activation;
+
+// rejection reasons (handler.ineligible_reason's words)
 PyObject* r_other_device;
 PyObject* r_small;
 PyObject* r_parameter;
@@ -53,13 +41,13 @@ PyObject* r_not_offloadable_storage;
 PyObject* r_conj_neg;
 PyObject* r_marked;
 
+
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              std::chrono::steady_clock::now().time_since_epoch())
       .count();
 }
 
-// obj.<name> += delta (-1 on a Python error): the counters the Python code keeps (runtime_ns, parameters, users)
 int add_to_attr(PyObject* obj, PyObject* name, int64_t delta) {
   PyObject* cur = PyObject_GetAttr(obj, name);
   if (cur == nullptr) return -1;
@@ -73,10 +61,8 @@ int add_to_attr(PyObject* obj, PyObject* name, int64_t delta) {
   return rc;
 }
 
-// summary.runtime_ns += ns (-1 on a Python error)
 int add_runtime(PyObject* summary, int64_t ns) { return add_to_attr(summary, s_runtime_ns, ns); }
 
-// getattr(obj, name, None) without raising (a new reference, or nullptr with an error set)
 PyObject* lookup_attr(PyObject* obj, PyObject* name) {
   PyObject* out = nullptr;
 #if PY_VERSION_HEX >= 0x030D0000
@@ -92,17 +78,7 @@ PyObject* lookup_attr(PyObject* obj, PyObject* name) {
 }
 
 // ---------------------------------------------------------------------------------------------------- SavedRef
-struct SavedRef {
-  PyObject_HEAD
-  PyObject* tensor;
-  PyObject* group;
-  PyObject* point;
-  PyObject* entry;
-  PyObject* dtype;
-  PyObject* offset;
-  PyObject* size;
-  PyObject* stride;
-};
+// (struct SavedRef: common.h)
 
 PyMemberDef saved_ref_members[] = {
     {"tensor", T_OBJECT, offsetof(SavedRef, tensor), 0, nullptr},
@@ -488,252 +464,6 @@ PyObject* unpacker_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
 
 PyTypeObject UnpackerType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
-// ------------------------------------------------------------------------------------------------ flush helpers
-// A new reference to ref.tensor (nullptr without an error if it is None or unset, nullptr with one on failure)
-PyObject* ref_tensor(PyObject* ref) {
-  PyObject* t;
-  if (Py_TYPE(ref) == &SavedRefType) {
-    t = reinterpret_cast<SavedRef*>(ref)->tensor;
-    Py_XINCREF(t);
-  } else {
-    t = PyObject_GetAttrString(ref, "tensor");
-    if (t == nullptr) return nullptr;
-  }
-  if (t == Py_None) Py_CLEAR(t);
-  if (t != nullptr && !THPVariable_Check(t)) {
-    Py_DECREF(t);
-    PyErr_SetString(PyExc_TypeError, "a saved reference holds something other than a tensor");
-    return nullptr;
-  }
-  return t;
-}
-
-// storages_of(groups): handler.flush's grouping. {storage address: (storage, [refs])} over the refs still holding
-// their tensor, in the order their storages first appear; one storage object per storage, as the Python loop keeps
-PyObject* module_storages_of(PyObject*, PyObject* groups) {
-  HANDLE_TH_ERRORS
-  PyObject* out = PyDict_New();
-  PyObject* seq = out ? PySequence_Fast(groups, "storages_of takes a list of groups") : nullptr;
-  if (seq == nullptr) {
-    Py_XDECREF(out);
-    return nullptr;
-  }
-  bool ok = true;
-  for (Py_ssize_t g = 0; ok && g < PySequence_Fast_GET_SIZE(seq); ++g) {
-    PyObject* refs = PyObject_GetAttrString(PySequence_Fast_GET_ITEM(seq, g), "refs");
-    PyObject* rseq = refs ? PySequence_Fast(refs, "group.refs must be a list") : nullptr;
-    Py_XDECREF(refs);
-    if (rseq == nullptr) {
-      ok = false;
-      break;
-    }
-    for (Py_ssize_t i = 0; ok && i < PySequence_Fast_GET_SIZE(rseq); ++i) {
-      PyObject* ref = PySequence_Fast_GET_ITEM(rseq, i);
-      PyObject* tensor = ref_tensor(ref);
-      if (tensor == nullptr) {
-        ok = !PyErr_Occurred();
-        continue;
-      }
-      const c10::Storage& storage = THPVariable_Unpack(tensor).storage();
-      PyObject* key = PyLong_FromVoidPtr(const_cast<void*>(storage.data()));
-      PyObject* item = key ? PyDict_GetItemWithError(out, key) : nullptr;  // borrowed
-      if (item == nullptr && !PyErr_Occurred() && key != nullptr) {
-        PyObject* st = THPStorage_Wrap(storage);
-        PyObject* lst = st ? PyList_New(0) : nullptr;
-        item = lst ? PyTuple_Pack(2, st, lst) : nullptr;
-        Py_XDECREF(st);
-        Py_XDECREF(lst);
-        if (item != nullptr) {
-          int rc = PyDict_SetItem(out, key, item);
-          Py_DECREF(item);  // the dict holds it
-          if (rc < 0) item = nullptr;
-        }
-      }
-      ok = item != nullptr && PyList_Append(PyTuple_GET_ITEM(item, 1), ref) == 0;
-      Py_XDECREF(key);
-      Py_DECREF(tensor);
-    }
-    Py_DECREF(rseq);
-  }
-  Py_DECREF(seq);
-  if (!ok) Py_CLEAR(out);
-  return out;
-  END_HANDLE_TH_ERRORS
-}
-
-PyObject* int_tuple_of(c10::IntArrayRef values) {
-  PyObject* out = PyTuple_New(static_cast<Py_ssize_t>(values.size()));
-  for (size_t i = 0; out != nullptr && i < values.size(); ++i) {
-    PyObject* v = PyLong_FromLongLong(values[i]);
-    if (v == nullptr) {
-      Py_CLEAR(out);
-      break;
-    }
-    PyTuple_SET_ITEM(out, static_cast<Py_ssize_t>(i), v);
-  }
-  return out;
-}
-
-int set_attr_steal(PyObject* obj, const char* name, PyObject* value) {
-  if (value == nullptr) return -1;
-  int rc = PyObject_SetAttrString(obj, name, value);
-  Py_DECREF(value);
-  return rc;
-}
-
-// Record one ref's view layout and swap its tensor for ``entry`` (the per-ref half of handler._attach); -1 on error
-int attach_one(PyObject* entry, PyObject* ref) {
-  PyObject* tensor = ref_tensor(ref);
-  if (tensor == nullptr) {
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "attach: a saved reference has no tensor left");
-    return -1;
-  }
-  const at::Tensor& t = THPVariable_Unpack(tensor);
-  PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type()));  // borrowed
-  PyObject* offset = PyLong_FromLongLong(t.storage_offset());
-  PyObject* size = offset ? int_tuple_of(t.sizes()) : nullptr;
-  PyObject* stride = size ? int_tuple_of(t.strides()) : nullptr;
-  int rc = 0;
-  if (stride == nullptr) {
-    Py_XDECREF(offset);
-    Py_XDECREF(size);
-    rc = -1;
-  } else if (Py_TYPE(ref) == &SavedRefType) {
-    SavedRef* r = reinterpret_cast<SavedRef*>(ref);
-    Py_INCREF(dtype);
-    Py_INCREF(entry);
-    Py_XSETREF(r->dtype, dtype);
-    Py_XSETREF(r->offset, offset);
-    Py_XSETREF(r->size, size);
-    Py_XSETREF(r->stride, stride);
-    Py_XSETREF(r->entry, entry);
-    Py_CLEAR(r->tensor);  // reads as None
-  } else {
-    Py_INCREF(dtype);
-    rc = set_attr_steal(ref, "dtype", dtype) < 0 || set_attr_steal(ref, "offset", offset) < 0 ||
-                 set_attr_steal(ref, "size", size) < 0 || set_attr_steal(ref, "stride", stride) < 0 ||
-                 PyObject_SetAttrString(ref, "entry", entry) < 0 || PyObject_SetAttrString(ref, "tensor", Py_None) < 0
-             ? -1
-             : 0;
-  }
-  Py_DECREF(tensor);  // after the swap: this may have been the last reference to the saved tensor
-  return rc;
-}
-
-// attach(entry, refs): handler._attach. Each ref's layout is recorded and its tensor dropped for the entry; each
-// ref's group lists the entry once, and the entry counts each such group once (entry.users)
-PyObject* module_attach(PyObject*, PyObject* args) {
-  HANDLE_TH_ERRORS
-  PyObject *entry, *refs;
-  if (!PyArg_ParseTuple(args, "OO", &entry, &refs)) return nullptr;
-  PyObject* seq = PySequence_Fast(refs, "attach takes a list of saved references");
-  if (seq == nullptr) return nullptr;
-  bool ok = true;
-  for (Py_ssize_t i = 0; ok && i < PySequence_Fast_GET_SIZE(seq); ++i) {
-    PyObject* ref = PySequence_Fast_GET_ITEM(seq, i);
-    ok = attach_one(entry, ref) == 0;
-    if (!ok) break;
-    PyObject* group = Py_TYPE(ref) == &SavedRefType ? reinterpret_cast<SavedRef*>(ref)->group : nullptr;
-    if (group != nullptr) {
-      Py_INCREF(group);
-    } else {
-      group = PyObject_GetAttrString(ref, "group");
-      if (group == nullptr) {
-        ok = false;
-        break;
-      }
-    }
-    PyObject* entries = PyObject_GetAttrString(group, "entries");
-    int has = entries ? PySequence_Contains(entries, entry) : -1;
-    if (has == 0) {
-      ok = PyList_Append(entries, entry) == 0 && add_to_attr(entry, s_users, 1) == 0;
-    } else {
-      ok = has > 0;
-    }
-    Py_XDECREF(entries);
-    Py_DECREF(group);
-  }
-  Py_DECREF(seq);
-  if (!ok) return nullptr;
-  Py_RETURN_NONE;
-  END_HANDLE_TH_ERRORS
-}
-
-// --------------------------------------------------------------------------------------------- copy helpers
-// The address a copy reads or writes, a tensor's data pointer or a storage's, into ``out`` (false: error set)
-bool address_of(PyObject* obj, void*& out) {
-  if (THPVariable_Check(obj)) {
-    out = THPVariable_Unpack(obj).data_ptr();
-  } else if (THPStorage_Check(obj)) {
-    out = THPStorage_Unpack(obj).mutable_data();
-  } else {
-    PyErr_SetString(PyExc_TypeError, "copy_burst copies between tensors and untyped storages only");
-    return false;
-  }
-  return true;
-}
-
-using MemcpyAsync = int (*)(void*, const void*, size_t, int, void*);
-
-// copy_burst(memcpy_address, dsts, srcs, sizes, kind, stream): RawCudaTransport._copy_burst's loop, one
-// cudaMemcpyAsync (called through the address of the runtime PyTorch has loaded) per copy; the first CUDA error
-// code, or 0. Stops at the first error, as the Python loop does.
-PyObject* module_copy_burst(PyObject*, PyObject* args) {
-  HANDLE_TH_ERRORS
-  unsigned long long fn, stream;
-  PyObject *dsts, *srcs, *sizes;
-  int kind;
-  if (!PyArg_ParseTuple(args, "KOOOiK", &fn, &dsts, &srcs, &sizes, &kind, &stream)) return nullptr;
-  if (!PyList_Check(dsts) || !PyList_Check(srcs) || !PyList_Check(sizes) ||
-      PyList_GET_SIZE(dsts) != PyList_GET_SIZE(srcs) || PyList_GET_SIZE(dsts) != PyList_GET_SIZE(sizes) || fn == 0) {
-    PyErr_SetString(PyExc_ValueError, "copy_burst takes a function address and three lists of one length");
-    return nullptr;
-  }
-  MemcpyAsync memcpy_async = reinterpret_cast<MemcpyAsync>(static_cast<uintptr_t>(fn));
-  void* raw_stream = reinterpret_cast<void*>(static_cast<uintptr_t>(stream));
-  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(dsts); ++i) {
-    void *dst, *src;
-    if (!address_of(PyList_GET_ITEM(dsts, i), dst) || !address_of(PyList_GET_ITEM(srcs, i), src)) return nullptr;
-    unsigned long long n = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(sizes, i));
-    if (n == static_cast<unsigned long long>(-1) && PyErr_Occurred()) return nullptr;
-    int err = memcpy_async(dst, src, static_cast<size_t>(n), kind, raw_stream);
-    if (err != 0) return PyLong_FromLong(err);
-  }
-  return PyLong_FromLong(0);
-  END_HANDLE_TH_ERRORS
-}
-
-// empty_storages(sizes, device_index): one fresh byte storage per size on that CUDA device (-1: the CPU), from the
-// caching allocator on the current stream: RawCudaTransport.to_device's torch.empty + untyped_storage per reload
-PyObject* module_empty_storages(PyObject*, PyObject* args) {
-  HANDLE_TH_ERRORS
-  PyObject* sizes;
-  int device_index;
-  if (!PyArg_ParseTuple(args, "Oi", &sizes, &device_index)) return nullptr;
-  PyObject* seq = PySequence_Fast(sizes, "empty_storages takes a list of sizes");
-  if (seq == nullptr) return nullptr;
-  at::TensorOptions options = at::TensorOptions().dtype(at::kByte).device(
-      device_index < 0 ? c10::Device(c10::kCPU) : c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device_index)));
-  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-  PyObject* out = PyList_New(n);
-  for (Py_ssize_t i = 0; out != nullptr && i < n; ++i) {
-    long long bytes = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
-    if (bytes == -1 && PyErr_Occurred()) {
-      Py_CLEAR(out);
-      break;
-    }
-    PyObject* st = THPStorage_Wrap(at::empty({bytes}, options).storage());
-    if (st == nullptr) {
-      Py_CLEAR(out);
-      break;
-    }
-    PyList_SET_ITEM(out, i, st);
-  }
-  Py_DECREF(seq);
-  return out;
-  END_HANDLE_TH_ERRORS
-}
-
 // ------------------------------------------------------------------------------------------------------ module
 // init(tensor_type, parameter_type): the exact types the pack hook tests for
 PyObject* module_init(PyObject*, PyObject* args) {
@@ -752,11 +482,6 @@ PyObject* module_init(PyObject*, PyObject* args) {
 
 PyMethodDef module_methods[] = {
     {"init", module_init, METH_VARARGS, "init(torch.Tensor, torch.nn.Parameter)"},
-    {"storages_of", module_storages_of, METH_O, "storages_of(groups): handler.flush's grouping by storage"},
-    {"attach", module_attach, METH_VARARGS, "attach(entry, refs): handler._attach"},
-    {"copy_burst", module_copy_burst, METH_VARARGS,
-     "copy_burst(memcpy_address, dsts, srcs, sizes, kind, stream): the first CUDA error, or 0"},
-    {"empty_storages", module_empty_storages, METH_VARARGS, "empty_storages(sizes, device_index)"},
     {nullptr, nullptr, 0, nullptr}};
 
 #define MCO_STR_(x) #x
@@ -828,7 +553,9 @@ void fill_types() {
   UnpackerType.tp_call = PyVectorcall_Call;
 }
 
-}  // namespace
+}  // namespace mco
+
+using namespace mco;
 
 PyMODINIT_FUNC MCO_CONCAT(PyInit_, TORCH_EXTENSION_NAME)(void) {
   fill_types();
@@ -839,7 +566,8 @@ PyMODINIT_FUNC MCO_CONCAT(PyInit_, TORCH_EXTENSION_NAME)(void) {
   if (m == nullptr) return nullptr;
   if (PyModule_AddObjectRef(m, "SavedRef", reinterpret_cast<PyObject*>(&SavedRefType)) < 0 ||
       PyModule_AddObjectRef(m, "Packer", reinterpret_cast<PyObject*>(&PackerType)) < 0 ||
-      PyModule_AddObjectRef(m, "Unpacker", reinterpret_cast<PyObject*>(&UnpackerType)) < 0) {
+      PyModule_AddObjectRef(m, "Unpacker", reinterpret_cast<PyObject*>(&UnpackerType)) < 0 ||
+      PyModule_AddFunctions(m, copy_path_methods) < 0 || !entry_types_ready(m)) {
     Py_DECREF(m);
     return nullptr;
   }

@@ -1,0 +1,68 @@
+// Declarations shared by the native runtime's translation units: hooks.cpp (the saved-tensor hook types and the
+// module), copy_path.cpp (the copy-out and copy helpers) and entry.cpp (the copy-out's object types). See __init__.py for why and how this is built.
+#pragma once
+
+#include <Python.h>
+#include <structmember.h>
+
+#include <ATen/ops/empty.h>
+#include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/Storage.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <chrono>
+#include <vector>
+
+namespace mco {
+
+// set once by init(): torch.Tensor and torch.nn.Parameter (exact-type checks, as the Python hooks make)
+extern PyObject* g_tensor_type;
+extern PyObject* g_parameter_type;
+
+// interned attribute names (hooks.cpp: intern_all)
+extern PyObject* s_finished;
+extern PyObject* s_parameters;
+extern PyObject* s_users;
+extern PyObject* s_runtime_ns;
+extern PyObject* s_device_storage;
+extern PyObject* s_compute_waited;
+extern PyObject* s_rebuild;
+extern PyObject* s_tensor_push;
+extern PyObject* s_tensor_pop;
+extern PyObject* s_offloading_activation;
+
+int64_t now_ns();
+// obj.<name> += delta (-1 on a Python error): the counters the Python code keeps (runtime_ns, parameters, users)
+int add_to_attr(PyObject* obj, PyObject* name, int64_t delta);
+// summary.runtime_ns += ns (-1 on a Python error)
+int add_runtime(PyObject* summary, int64_t ns);
+// getattr(obj, name, None) without raising (a new reference, or nullptr with an error set)
+PyObject* lookup_attr(PyObject* obj, PyObject* name);
+
+// What the pack hook returns for an eligible tensor (handler.SavedRef's fields, read and written by the handler)
+struct SavedRef {
+  PyObject_HEAD
+  PyObject* tensor;
+  PyObject* group;
+  PyObject* point;
+  PyObject* entry;
+  PyObject* dtype;
+  PyObject* offset;
+  PyObject* size;
+  PyObject* stride;
+};
+extern PyTypeObject SavedRefType;
+
+// copy_path.cpp: its module functions
+extern PyMethodDef copy_path_methods[];
+
+// entry.cpp: Entry(point, nbytes, host, d2h_event, device_ptr) and Released(handler, ptr, entry) as new references
+// (nullptr: error set); entry.storage_ref = weak (stolen); the two types readied and Entry added to the module
+PyObject* new_entry(PyObject* point, PyObject* nbytes, PyObject* host, PyObject* d2h_event, PyObject* device_ptr);
+PyObject* new_released(PyObject* handler, PyObject* ptr, PyObject* entry);
+void entry_set_storage_ref(PyObject* entry, PyObject* weak);
+bool entry_types_ready(PyObject* module);
+
+}  // namespace mco

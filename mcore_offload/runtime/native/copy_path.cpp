@@ -1,0 +1,531 @@
+// The copy-out and copy helpers of the native runtime (see __init__.py for why and how this is built).
+//
+// Each does what its Python counterpart in runtime/handler.py or runtime/transport.py does, for the common case:
+//
+//   copy_out    handler.flush for a step that neither audits nor probes (auto's first steps): the grouping by
+//               storage, the coverage and alias checks, one Entry per storage copied, its release callback (a weak
+//               reference to the storage, as handler._released_callback; both types in entry.cpp), the counters, and the per-view
+//               bookkeeping (attach). The copies themselves are the transport's to_host, called from here.
+//   storages_of, attach   handler.flush's grouping of saved refs by storage, and handler._attach (the Python flush
+//               uses them where copy_out does not run)
+//   copy_burst, empty_storages   RawCudaTransport's per-copy loop and its reload allocations (per storage)
+
+#include "common.h"
+
+#include <utility>
+
+namespace mco {
+namespace {
+
+// A new reference to ref.tensor (nullptr without an error if it is None or unset, nullptr with one on failure)
+PyObject* ref_tensor(PyObject* ref) {
+  PyObject* t;
+  if (Py_TYPE(ref) == &SavedRefType) {
+    t = reinterpret_cast<SavedRef*>(ref)->tensor;
+    Py_XINCREF(t);
+  } else {
+    t = PyObject_GetAttrString(ref, "tensor");
+    if (t == nullptr) return nullptr;
+  }
+  if (t == Py_None) Py_CLEAR(t);
+  if (t != nullptr && !THPVariable_Check(t)) {
+    Py_DECREF(t);
+    PyErr_SetString(PyExc_TypeError, "a saved reference holds something other than a tensor");
+    return nullptr;
+  }
+  return t;
+}
+
+// handler.flush's grouping (the module's storages_of(groups)). {storage address: (storage, [refs])} over the refs still holding
+// their tensor, in the order their storages first appear; one storage object per storage, as the Python loop keeps
+PyObject* storages_of(PyObject* groups) {
+  HANDLE_TH_ERRORS
+  PyObject* out = PyDict_New();
+  PyObject* seq = out ? PySequence_Fast(groups, "storages_of takes a list of groups") : nullptr;
+  if (seq == nullptr) {
+    Py_XDECREF(out);
+    return nullptr;
+  }
+  bool ok = true;
+  for (Py_ssize_t g = 0; ok && g < PySequence_Fast_GET_SIZE(seq); ++g) {
+    PyObject* refs = PyObject_GetAttrString(PySequence_Fast_GET_ITEM(seq, g), "refs");
+    PyObject* rseq = refs ? PySequence_Fast(refs, "group.refs must be a list") : nullptr;
+    Py_XDECREF(refs);
+    if (rseq == nullptr) {
+      ok = false;
+      break;
+    }
+    for (Py_ssize_t i = 0; ok && i < PySequence_Fast_GET_SIZE(rseq); ++i) {
+      PyObject* ref = PySequence_Fast_GET_ITEM(rseq, i);
+      PyObject* tensor = ref_tensor(ref);
+      if (tensor == nullptr) {
+        ok = !PyErr_Occurred();
+        continue;
+      }
+      const c10::Storage& storage = THPVariable_Unpack(tensor).storage();
+      PyObject* key = PyLong_FromVoidPtr(const_cast<void*>(storage.data()));
+      PyObject* item = key ? PyDict_GetItemWithError(out, key) : nullptr;  // borrowed
+      if (item == nullptr && !PyErr_Occurred() && key != nullptr) {
+        PyObject* st = THPStorage_Wrap(storage);
+        PyObject* lst = st ? PyList_New(0) : nullptr;
+        item = lst ? PyTuple_Pack(2, st, lst) : nullptr;
+        Py_XDECREF(st);
+        Py_XDECREF(lst);
+        if (item != nullptr) {
+          int rc = PyDict_SetItem(out, key, item);
+          Py_DECREF(item);  // the dict holds it
+          if (rc < 0) item = nullptr;
+        }
+      }
+      ok = item != nullptr && PyList_Append(PyTuple_GET_ITEM(item, 1), ref) == 0;
+      Py_XDECREF(key);
+      Py_DECREF(tensor);
+    }
+    Py_DECREF(rseq);
+  }
+  Py_DECREF(seq);
+  if (!ok) Py_CLEAR(out);
+  return out;
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* int_tuple_of(c10::IntArrayRef values) {
+  PyObject* out = PyTuple_New(static_cast<Py_ssize_t>(values.size()));
+  for (size_t i = 0; out != nullptr && i < values.size(); ++i) {
+    PyObject* v = PyLong_FromLongLong(values[i]);
+    if (v == nullptr) {
+      Py_CLEAR(out);
+      break;
+    }
+    PyTuple_SET_ITEM(out, static_cast<Py_ssize_t>(i), v);
+  }
+  return out;
+}
+
+int set_attr_steal(PyObject* obj, const char* name, PyObject* value) {
+  if (value == nullptr) return -1;
+  int rc = PyObject_SetAttrString(obj, name, value);
+  Py_DECREF(value);
+  return rc;
+}
+
+// Record one ref's view layout and swap its tensor for ``entry`` (the per-ref half of handler._attach); -1 on error
+int attach_one(PyObject* entry, PyObject* ref) {
+  PyObject* tensor = ref_tensor(ref);
+  if (tensor == nullptr) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "attach: a saved reference has no tensor left");
+    return -1;
+  }
+  const at::Tensor& t = THPVariable_Unpack(tensor);
+  PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type()));  // borrowed
+  PyObject* offset = PyLong_FromLongLong(t.storage_offset());
+  PyObject* size = offset ? int_tuple_of(t.sizes()) : nullptr;
+  PyObject* stride = size ? int_tuple_of(t.strides()) : nullptr;
+  int rc = 0;
+  if (stride == nullptr) {
+    Py_XDECREF(offset);
+    Py_XDECREF(size);
+    rc = -1;
+  } else if (Py_TYPE(ref) == &SavedRefType) {
+    SavedRef* r = reinterpret_cast<SavedRef*>(ref);
+    Py_INCREF(dtype);
+    Py_INCREF(entry);
+    Py_XSETREF(r->dtype, dtype);
+    Py_XSETREF(r->offset, offset);
+    Py_XSETREF(r->size, size);
+    Py_XSETREF(r->stride, stride);
+    Py_XSETREF(r->entry, entry);
+    Py_CLEAR(r->tensor);  // reads as None
+  } else {
+    Py_INCREF(dtype);
+    rc = set_attr_steal(ref, "dtype", dtype) < 0 || set_attr_steal(ref, "offset", offset) < 0 ||
+                 set_attr_steal(ref, "size", size) < 0 || set_attr_steal(ref, "stride", stride) < 0 ||
+                 PyObject_SetAttrString(ref, "entry", entry) < 0 || PyObject_SetAttrString(ref, "tensor", Py_None) < 0
+             ? -1
+             : 0;
+  }
+  Py_DECREF(tensor);  // after the swap: this may have been the last reference to the saved tensor
+  return rc;
+}
+
+// handler._attach: each ref's layout is recorded and its tensor dropped for the entry; each ref's group lists the
+// entry once, and the entry counts each such group once (entry.users). -1 on error
+int attach_all(PyObject* entry, PyObject* refs) {
+  PyObject* seq = PySequence_Fast(refs, "attach takes a list of saved references");
+  if (seq == nullptr) return -1;
+  bool ok = true;
+  for (Py_ssize_t i = 0; ok && i < PySequence_Fast_GET_SIZE(seq); ++i) {
+    PyObject* ref = PySequence_Fast_GET_ITEM(seq, i);
+    ok = attach_one(entry, ref) == 0;
+    if (!ok) break;
+    PyObject* group = Py_TYPE(ref) == &SavedRefType ? reinterpret_cast<SavedRef*>(ref)->group : nullptr;
+    if (group != nullptr) {
+      Py_INCREF(group);
+    } else {
+      group = PyObject_GetAttrString(ref, "group");
+      if (group == nullptr) {
+        ok = false;
+        break;
+      }
+    }
+    PyObject* entries = PyObject_GetAttrString(group, "entries");
+    int has = entries ? PySequence_Contains(entries, entry) : -1;
+    if (has == 0) {
+      ok = PyList_Append(entries, entry) == 0 && add_to_attr(entry, s_users, 1) == 0;
+    } else {
+      ok = has > 0;
+    }
+    Py_XDECREF(entries);
+    Py_DECREF(group);
+  }
+  Py_DECREF(seq);
+  return ok ? 0 : -1;
+}
+
+// attach(entry, refs): handler._attach
+PyObject* module_attach(PyObject*, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject *entry, *refs;
+  if (!PyArg_ParseTuple(args, "OO", &entry, &refs)) return nullptr;
+  if (attach_all(entry, refs) < 0) return nullptr;
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+// --------------------------------------------------------------------------------------------- copy helpers
+// The address a copy reads or writes, a tensor's data pointer or a storage's, into ``out`` (false: error set)
+bool address_of(PyObject* obj, void*& out) {
+  if (THPVariable_Check(obj)) {
+    out = THPVariable_Unpack(obj).data_ptr();
+  } else if (THPStorage_Check(obj)) {
+    out = THPStorage_Unpack(obj).mutable_data();
+  } else {
+    PyErr_SetString(PyExc_TypeError, "copy_burst copies between tensors and untyped storages only");
+    return false;
+  }
+  return true;
+}
+
+using MemcpyAsync = int (*)(void*, const void*, size_t, int, void*);
+
+// copy_burst(memcpy_address, dsts, srcs, sizes, kind, stream): RawCudaTransport._copy_burst's loop, one
+// cudaMemcpyAsync (called through the address of the runtime PyTorch has loaded) per copy; the first CUDA error
+// code, or 0. Stops at the first error, as the Python loop does.
+PyObject* module_copy_burst(PyObject*, PyObject* args) {
+  HANDLE_TH_ERRORS
+  unsigned long long fn, stream;
+  PyObject *dsts, *srcs, *sizes;
+  int kind;
+  if (!PyArg_ParseTuple(args, "KOOOiK", &fn, &dsts, &srcs, &sizes, &kind, &stream)) return nullptr;
+  if (!PyList_Check(dsts) || !PyList_Check(srcs) || !PyList_Check(sizes) ||
+      PyList_GET_SIZE(dsts) != PyList_GET_SIZE(srcs) || PyList_GET_SIZE(dsts) != PyList_GET_SIZE(sizes) || fn == 0) {
+    PyErr_SetString(PyExc_ValueError, "copy_burst takes a function address and three lists of one length");
+    return nullptr;
+  }
+  MemcpyAsync memcpy_async = reinterpret_cast<MemcpyAsync>(static_cast<uintptr_t>(fn));
+  void* raw_stream = reinterpret_cast<void*>(static_cast<uintptr_t>(stream));
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(dsts); ++i) {
+    void *dst, *src;
+    if (!address_of(PyList_GET_ITEM(dsts, i), dst) || !address_of(PyList_GET_ITEM(srcs, i), src)) return nullptr;
+    unsigned long long n = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(sizes, i));
+    if (n == static_cast<unsigned long long>(-1) && PyErr_Occurred()) return nullptr;
+    int err = memcpy_async(dst, src, static_cast<size_t>(n), kind, raw_stream);
+    if (err != 0) return PyLong_FromLong(err);
+  }
+  return PyLong_FromLong(0);
+  END_HANDLE_TH_ERRORS
+}
+
+// empty_storages(sizes, device_index): one fresh byte storage per size on that CUDA device (-1: the CPU), from the
+// caching allocator on the current stream: RawCudaTransport.to_device's torch.empty + untyped_storage per reload
+PyObject* module_empty_storages(PyObject*, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject* sizes;
+  int device_index;
+  if (!PyArg_ParseTuple(args, "Oi", &sizes, &device_index)) return nullptr;
+  PyObject* seq = PySequence_Fast(sizes, "empty_storages takes a list of sizes");
+  if (seq == nullptr) return nullptr;
+  at::TensorOptions options = at::TensorOptions().dtype(at::kByte).device(
+      device_index < 0 ? c10::Device(c10::kCPU) : c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device_index)));
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  PyObject* out = PyList_New(n);
+  for (Py_ssize_t i = 0; out != nullptr && i < n; ++i) {
+    long long bytes = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
+    if (bytes == -1 && PyErr_Occurred()) {
+      Py_CLEAR(out);
+      break;
+    }
+    PyObject* st = THPStorage_Wrap(at::empty({bytes}, options).storage());
+    if (st == nullptr) {
+      Py_CLEAR(out);
+      break;
+    }
+    PyList_SET_ITEM(out, i, st);
+  }
+  Py_DECREF(seq);
+  return out;
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* module_storages_of(PyObject*, PyObject* groups) { return storages_of(groups); }
+
+// ------------------------------------------------------------------------------------------------------ copy_out
+// handler._covers: whether the distinct byte ranges the refs' views start at cover ``need`` bytes (-1: error)
+int covers(PyObject* refs, double need) {
+  std::vector<std::pair<int64_t, int64_t>> seen;
+  double covered = 0;
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(refs); ++i) {
+    PyObject* tensor = ref_tensor(PyList_GET_ITEM(refs, i));
+    if (tensor == nullptr) {
+      if (PyErr_Occurred()) return -1;
+      continue;
+    }
+    const at::Tensor& t = THPVariable_Unpack(tensor);
+    int64_t size = static_cast<int64_t>(t.element_size());
+    std::pair<int64_t, int64_t> key{t.storage_offset() * size, t.numel() * size};
+    Py_DECREF(tensor);
+    bool known = false;
+    for (const auto& k : seen) known = known || k == key;
+    if (!known) {
+      seen.push_back(key);
+      covered += static_cast<double>(key.second);
+      if (covered >= need) return 1;
+    }
+  }
+  return 0;
+}
+
+// handler._held_by_other_than_one: whether a tensor other than the one saved view (and its base) holds the
+// storage. The same counts: each threshold is the Python one less the references that code's own locals and
+// getrefcount's argument add, plus the one this function holds. -1: error
+int held_by_other_than_one(PyObject* st, PyObject* ref) {
+  PyObject* tensor = ref_tensor(ref);
+  if (tensor == nullptr) return PyErr_Occurred() ? -1 : 0;
+  const at::Tensor& t = THPVariable_Unpack(tensor);
+  bool view = t.is_view();
+  // storage users: the saved tensor, its base if it is a view, and the storage object we hold
+  int held = THPStorage_Unpack(st).use_count() > (view ? 3u : 2u);
+  // Python references to the tensor: the SavedRef and ours
+  if (!held) held = Py_REFCNT(tensor) > 2;
+  if (!held && view) {
+    PyObject* base = THPVariable_Wrap(t._base());
+    if (base == nullptr) {
+      held = -1;
+    } else {
+      held = Py_REFCNT(base) > 2;  // ours and the view's C++ side
+      Py_DECREF(base);
+    }
+  }
+  Py_DECREF(tensor);
+  return held;
+}
+
+// held_by_other_than_one(storage, ref): the check above, for the tests (the same answer as the Python one)
+PyObject* module_held_by_other_than_one(PyObject*, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject *st, *ref;
+  if (!PyArg_ParseTuple(args, "OO", &st, &ref)) return nullptr;
+  if (!THPStorage_Check(st)) {
+    PyErr_SetString(PyExc_TypeError, "held_by_other_than_one takes an untyped storage and a saved reference");
+    return nullptr;
+  }
+  int held = held_by_other_than_one(st, ref);
+  if (held < 0) return nullptr;
+  return PyBool_FromLong(held);
+  END_HANDLE_TH_ERRORS
+}
+
+struct ToCopy {
+  PyObject* ptr;  // borrowed from the grouping dict, which outlives the list
+  PyObject* storage;
+  PyObject* refs;
+};
+
+// summary.add(point, "offloaded", n) per point and one summary.host_resident(total): on_offloaded's counters for a
+// whole burst (the same totals, and the same resident peak: every delta is positive)
+int count_offloaded(PyObject* summary, const std::vector<std::pair<PyObject*, int64_t>>& by_point, int64_t total) {
+  for (const auto& pn : by_point) {
+    PyObject* r = PyObject_CallMethod(summary, "add", "OsL", pn.first, "offloaded", static_cast<long long>(pn.second));
+    if (r == nullptr) return -1;
+    Py_DECREF(r);
+  }
+  PyObject* r = PyObject_CallMethod(summary, "host_resident", "L", static_cast<long long>(total));
+  if (r == nullptr) return -1;
+  Py_DECREF(r);
+  return 0;
+}
+
+// The entries of one copy burst: made, registered in handler.live with their release callbacks, counted, attached
+int make_entries(PyObject* handler, PyObject* live, const std::vector<ToCopy>& todo, PyObject* hosts,
+                 PyObject* event) {
+  std::vector<std::pair<PyObject*, int64_t>> by_point;  // borrowed point strings
+  int64_t total = 0;
+  for (size_t i = 0; i < todo.size(); ++i) {
+    const ToCopy& c = todo[i];
+    PyObject* first = PyList_GET_ITEM(c.refs, 0);
+    PyObject* point = PyObject_GetAttrString(first, "point");
+    if (point == nullptr) return -1;
+    int64_t n = static_cast<int64_t>(THPStorage_Unpack(c.storage).nbytes());
+    PyObject* nbytes = PyLong_FromLongLong(n);
+    PyObject* entry = nbytes ? new_entry(point, nbytes, PyList_GET_ITEM(hosts, i), event, c.ptr) : nullptr;
+    Py_XDECREF(nbytes);
+    PyObject* callback = entry ? new_released(handler, c.ptr, entry) : nullptr;
+    PyObject* weak = callback ? PyWeakref_NewRef(c.storage, callback) : nullptr;
+    Py_XDECREF(callback);
+    int rc = weak == nullptr ? -1 : 0;
+    if (rc == 0) {
+      entry_set_storage_ref(entry, weak);
+      rc = PyDict_SetItem(live, c.ptr, entry);
+    }
+    if (rc == 0) {
+      bool found = false;
+      for (auto& pn : by_point) {
+        if (pn.first == point || PyObject_RichCompareBool(pn.first, point, Py_EQ) == 1) {
+          pn.second += n;
+          found = true;
+          break;
+        }
+      }
+      if (!found) by_point.emplace_back(point, n);
+      total += n;
+      rc = attach_all(entry, c.refs);
+    }
+    Py_XDECREF(entry);
+    Py_DECREF(point);  // the entry holds it, and so does by_point's owner (the first ref): borrowed is safe
+    if (rc < 0) return -1;
+  }
+  PyObject* summary = PyObject_GetAttrString(handler, "summary");
+  if (summary == nullptr) return -1;
+  int rc = count_offloaded(summary, by_point, total);
+  Py_DECREF(summary);
+  return rc;
+}
+
+// copy_out(handler, groups, held_by_other_than_many, routed_points, min_coverage): handler.flush's work after it
+// took the pending groups (see the file comment). held_by_other_than_many: handler._held_by_other_than_many, for a
+// storage several saved views share (the C++ check covers the one-view case)
+PyObject* module_copy_out(PyObject*, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject *handler, *groups, *held_many, *routed_points;
+  double min_coverage;
+  if (!PyArg_ParseTuple(args, "OOOOd", &handler, &groups, &held_many, &routed_points, &min_coverage)) return nullptr;
+  if (!PyAnySet_Check(routed_points)) {
+    PyErr_SetString(PyExc_TypeError, "copy_out: routed_points must be a set");
+    return nullptr;
+  }
+  PyObject* by_storage = storages_of(groups);
+  if (by_storage == nullptr) return nullptr;
+  PyObject* live = PyObject_GetAttrString(handler, "live");
+  PyObject* manager = live ? PyObject_GetAttrString(handler, "manager") : nullptr;
+  PyObject* storages = PyList_New(0);
+  PyObject* keep = PyList_New(0);
+  PyObject* routed = PyList_New(0);
+  std::vector<ToCopy> todo;
+  bool ok = manager != nullptr && storages != nullptr && keep != nullptr && routed != nullptr;
+  if (ok && !PyDict_Check(live)) {
+    PyErr_SetString(PyExc_TypeError, "copy_out: handler.live must be a dict");
+    ok = false;
+  }
+  Py_ssize_t pos = 0;
+  PyObject *ptr, *item;
+  while (ok && PyDict_Next(by_storage, &pos, &ptr, &item)) {
+    PyObject* st = PyTuple_GET_ITEM(item, 0);
+    PyObject* refs = PyTuple_GET_ITEM(item, 1);
+    PyObject* entry = PyDict_GetItemWithError(live, ptr);  // borrowed
+    if (entry != nullptr) {  // already offloaded by an earlier group of this chunk
+      ok = attach_all(entry, refs) == 0;
+      continue;
+    }
+    if (PyErr_Occurred()) {
+      ok = false;
+      break;
+    }
+    double need = min_coverage * static_cast<double>(THPStorage_Unpack(st).nbytes());
+    int held;
+    if (PyList_GET_SIZE(refs) == 1) {
+      PyObject* tensor = ref_tensor(PyList_GET_ITEM(refs, 0));
+      if (tensor == nullptr) {
+        ok = !PyErr_Occurred();
+        continue;
+      }
+      const at::Tensor& t = THPVariable_Unpack(tensor);
+      bool small = static_cast<double>(t.numel() * static_cast<int64_t>(t.element_size())) < need;
+      Py_DECREF(tensor);
+      if (small) continue;
+      held = held_by_other_than_one(st, PyList_GET_ITEM(refs, 0));
+    } else {
+      int enough = covers(refs, need);
+      if (enough <= 0) {
+        ok = enough == 0;
+        continue;
+      }
+      PyObject* answer = PyObject_CallFunctionObjArgs(held_many, st, refs, nullptr);
+      held = answer ? PyObject_IsTrue(answer) : -1;
+      Py_XDECREF(answer);
+    }
+    if (held < 0) {
+      ok = false;
+      break;
+    }
+    PyObject* first = PyList_GET_ITEM(refs, 0);
+    PyObject* point = PyObject_GetAttrString(first, "point");
+    if (point == nullptr) {
+      ok = false;
+      break;
+    }
+    if (held) {
+      // Another live tensor keeps the storage: copying it would free nothing
+      PyObject* r = PyObject_CallMethod(manager, "on_skipped", "OL", point,
+                                        static_cast<long long>(THPStorage_Unpack(st).nbytes()));
+      Py_XDECREF(r);
+      Py_DECREF(point);
+      ok = r != nullptr;
+      continue;
+    }
+    int is_routed = PySet_Contains(routed_points, point);
+    PyObject* tensor = is_routed >= 0 ? ref_tensor(first) : nullptr;
+    ok = tensor != nullptr && PyList_Append(storages, st) == 0 && PyList_Append(keep, tensor) == 0 &&
+         PyList_Append(routed, is_routed ? point : Py_None) == 0;
+    Py_XDECREF(tensor);
+    Py_DECREF(point);
+    if (ok) todo.push_back({ptr, st, refs});
+  }
+  if (ok && !todo.empty()) {
+    PyObject* transport = PyObject_GetAttrString(handler, "transport");
+    PyObject* result = transport ? PyObject_CallMethod(transport, "to_host", "OOO", storages, keep, routed) : nullptr;
+    Py_XDECREF(transport);
+    Py_CLEAR(keep);  // the transport holds what it must until the copy has read it
+    PyObject *hosts = nullptr, *event = nullptr;
+    ok = result != nullptr && PyArg_ParseTuple(result, "OO", &hosts, &event) && PyList_Check(hosts) &&
+         PyList_GET_SIZE(hosts) == static_cast<Py_ssize_t>(todo.size());
+    if (result != nullptr && !ok && !PyErr_Occurred())
+      PyErr_SetString(PyExc_TypeError, "copy_out: to_host must answer (a list of host buffers, one event)");
+    ok = ok && make_entries(handler, live, todo, hosts, event) == 0;
+    Py_XDECREF(result);
+  }
+  Py_XDECREF(keep);
+  Py_XDECREF(storages);
+  Py_XDECREF(routed);
+  Py_XDECREF(manager);
+  Py_XDECREF(live);
+  Py_DECREF(by_storage);
+  if (!ok) return nullptr;
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+}  // namespace
+
+PyMethodDef copy_path_methods[] = {
+    {"storages_of", module_storages_of, METH_O, "storages_of(groups): handler.flush's grouping by storage"},
+    {"attach", module_attach, METH_VARARGS, "attach(entry, refs): handler._attach"},
+    {"copy_out", module_copy_out, METH_VARARGS,
+     "copy_out(handler, groups, held_by_other_than_many, routed_points, min_coverage): handler.flush's work"},
+    {"held_by_other_than_one", module_held_by_other_than_one, METH_VARARGS,
+     "held_by_other_than_one(storage, ref): handler._held_by_other_than_one"},
+    {"copy_burst", module_copy_burst, METH_VARARGS,
+     "copy_burst(memcpy_address, dsts, srcs, sizes, kind, stream): the first CUDA error, or 0"},
+    {"empty_storages", module_empty_storages, METH_VARARGS, "empty_storages(sizes, device_index)"},
+    {nullptr, nullptr, 0, nullptr}};
+
+}  // namespace mco
