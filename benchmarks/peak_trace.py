@@ -35,6 +35,30 @@ def _where(frames: list[dict[str, Any]], depth: int = 14) -> list[str]:
     return out
 
 
+def _signature(frames: list[dict[str, Any]], depth: int = 6) -> str:
+    """The call path of an allocation by file and function name only (no line numbers: two megatron-core versions
+    can then be compared), over the frames in megatron, TransformerEngine, mcore_offload and the benchmarks."""
+    names = []
+    for f in frames:
+        name = str(f.get("filename", ""))
+        if any(m in name for m in ("/megatron/", "/transformer_engine/", "/mcore_offload/", "/benchmarks/")):
+            names.append(f"{name.rsplit('/', 1)[-1]}:{f.get('name', '?')}")
+            if len(names) == depth:
+                break
+    return " < ".join(names)
+
+
+def live_by_site(live: list[dict[str, Any]], top: int = 80) -> list[dict[str, Any]]:
+    """The allocations live at the peak, grouped by (size, call path), largest groups first (``top`` of them)."""
+    groups: dict[tuple[int, str], int] = {}
+    for e in live:
+        key = (e["size"], _signature(e.get("frames", [])))
+        groups[key] = groups.get(key, 0) + 1
+    rows = [{"size": size, "count": n, "bytes": size * n, "where": where} for (size, where), n in groups.items()]
+    rows.sort(key=lambda r: -r["bytes"])
+    return rows[:top]
+
+
 def analyse(events: list[dict[str, Any]], base: int) -> dict[str, Any]:
     """Replay ``events`` (one device's allocator trace) from ``base`` allocated bytes: the peak and what was live."""
     cur = peak = base
@@ -70,6 +94,9 @@ def analyse(events: list[dict[str, Any]], base: int) -> dict[str, Any]:
         "peak_alloc_where": _where(peak_event.get("frames", [])),
         "live_reload_bytes": by_source,
         "recent_actions": [e.get("action") for e in events[max(0, at - 12): at + 1]],
+        # what the step itself allocated and still held at the peak (what it held before is in base_bytes)
+        "live_step_bytes": sum(e["size"] for e in live.values()),
+        "live_by_site": live_by_site(list(live.values())),
     }
 
 

@@ -379,4 +379,9 @@ def test_peak_trace_finds_the_peak_and_the_reloaded_bytes_live_then():
     assert r["peak_bytes"] == 1180 and r["peak_event_index"] == 3 and r["peak_alloc_bytes"] == 30
     assert r["live_reload_bytes"] == {"ours_reload": 100, "native_reload": 0}
     assert r["peak_alloc_where"] == ["megatron/core/transformer/mlp.py:10 forward"]
+    # live at the peak, by size and call path without line numbers (two megatron versions compare)
+    assert r["live_step_bytes"] == 180
+    assert r["live_by_site"] == [{"size": 100, "count": 1, "bytes": 100, "where": "transport.py:to_device"},
+                                 {"size": 50, "count": 1, "bytes": 50, "where": "mlp.py:forward"},
+                                 {"size": 30, "count": 1, "bytes": 30, "where": "mlp.py:forward"}]
     assert analyse([], base=7)["peak_bytes"] == 7

@@ -26,7 +26,8 @@
 #    NAME_f4 / NAME_r2: MCORE_OFFLOAD_FLUSH_LAYERS=4 / MCORE_OFFLOAD_RELOAD_LAYERS=2. NAME_py: the Python
 #    saved-tensor hooks (MCORE_OFFLOAD_NATIVE=0; every other run sets MCORE_OFFLOAD_NATIVE=${NATIVE:-1}: C++ or fail). NAME@native: NAME on upstream's
 #    megatron-core 0.16.1 (NATIVE_TREE), its native offloading; alt_NAME@native alternates it too. "all5_hooks": the
-#    five MoE points with nothing large enough to move (hooks_only for CONFIG=C).
+#    five MoE points with nothing large enough to move (hooks_only for CONFIG=C). EXTRA: more pretrain_gpt.py flags
+#    for every run (EXTRA=--peak-trace: what was live at step 1's peak, benchmarks/peak_trace.py).
 set -u
 out=${1:?outdir}; mkdir -p "$out"
 { nvidia-smi topo -m; lscpu | head -25; cat /proc/loadavg; } > "$out/host_topology.txt" 2>&1
@@ -78,7 +79,7 @@ for rep in $(seq 1 "${REPS:-2}"); do
       name=$name0
       i=$((i + 1)); tag=${name/@old/_old}; tag=${tag/@native/_native}-$bind-$rep
       env $envs PYTHONPATH=${tree:+$tree:}$PYTHONPATH timeout ${RUN_TIMEOUT:-150} torchrun --nproc-per-node ${NPROC:-1} \
-        --master-port $((29520 + i)) benchmarks/pretrain_gpt.py $A $flags $alt ${SYNCS:+--time-syncs} \
+        --master-port $((29520 + i)) benchmarks/pretrain_gpt.py $A $flags $alt ${SYNCS:+--time-syncs} ${EXTRA:-} \
         --cpu-bind "$bind" --json-out "$out/$tag.json" --label "$name" > "$out/$tag.log" 2>&1 || echo "FAILED $tag"
     done
   done
