@@ -48,7 +48,7 @@ def _signature(frames: list[dict[str, Any]], depth: int = 6) -> str:
     return " < ".join(names)
 
 
-def live_by_site(live: list[dict[str, Any]], top: int = 80) -> list[dict[str, Any]]:
+def live_by_site(live: list[dict[str, Any]], top: int = 400) -> list[dict[str, Any]]:
     """The allocations live at the peak, grouped by (size, call path), largest groups first (``top`` of them)."""
     groups: dict[tuple[int, str], int] = {}
     for e in live:

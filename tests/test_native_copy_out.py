@@ -122,3 +122,63 @@ def test_released_storages_leave_the_live_table_and_are_counted(module):
     assert seen and all(not h.live for h in seen)
     last = get_summary().last_step.points
     assert sum(c["released_in_forward"] for c in last.values()) == sum(c["offloaded"] for c in last.values()) > 0
+
+
+class _FakeTransport:
+    """to_device's contract: one fresh storage per entry and one done event per run; records what it was given."""
+
+    def __init__(self):
+        self.reload_seq, self.calls = 0, []
+
+    def to_device(self, hosts, sizes, after, device, parts=None):
+        self.calls.append((list(sizes), list(after), parts))
+        return [torch.empty(n, dtype=torch.uint8).untyped_storage() for n in sizes], \
+            [f"event{len(self.calls)}.{i}" for i in range(len(parts) if parts else 1)]
+
+
+def _entries(entry_type):
+    """Five entries: three on the host only (one listed twice), one back on the device, one without a host copy."""
+    es = [entry_type(p, n, torch.empty(n, dtype=torch.uint8), f"d2h{i}", 100 + i)
+          for i, (p, n) in enumerate([("qkv_linear", 16), ("core_attn", 32), ("core_attn", 8), ("attn_proj", 4),
+                                      ("core_attn", 2)])]
+    for e in es[:3]:
+        e.off_device = True
+    es[3].device_storage = torch.empty(4, dtype=torch.uint8).untyped_storage()
+    es[4].host = None
+    return es
+
+
+@pytest.mark.parametrize("tracing", [False, True])
+@pytest.mark.parametrize("on_demand", [False, True])
+def test_the_cpp_reload_does_what_the_python_reload_does(module, monkeypatch, tracing, on_demand):
+    """Both reloads over the same runs: the same to_device calls, the same fields on every entry, the same counters
+    (entry by entry while the summary traces the peak, per point otherwise)."""
+    from mcore_offload.runtime.handler import ChunkOffloadHandler
+
+    seen = {}
+    for impl in ("native", "python"):
+        reset()
+        manager = get_manager()
+        if impl == "python":
+            monkeypatch.setattr(manager, "native", None)
+        handler = ChunkOffloadHandler(manager, None, 0, torch.device("cpu"), 1, set())
+        handler.transport = transport = _FakeTransport()
+        transport.reload_seq = 5
+        summary = get_summary()
+        if tracing:
+            summary.track_peak(lambda: 0, by_key=True)
+        summary.off_device(+56)
+        es = _entries(module.Entry if impl == "native" else Entry)
+        handler._reload([es[0], es[3], es[0]], [es[1], es[4]], [], [es[2]], on_demand=on_demand)
+        handler._reload([es[3]])  # nothing on the host only: no call
+        fields = [(e.device_storage.nbytes(), e.h2d_event, e.h2d_seq, e.compute_waited, e.off_device) for e in es[:3]]
+        seen[impl] = (transport.calls, transport.reload_seq, fields, dict(summary._current), summary.off_device_bytes)
+    assert seen["native"] == seen["python"]
+    calls, seq, fields, counters, off = seen["native"]
+    assert {p: c["reloaded"] for p, c in counters.items()} == {"qkv_linear": 16, "core_attn": 40}
+    assert {p: c["reloaded_on_demand"] for p, c in counters.items()} == (
+        {"qkv_linear": 16, "core_attn": 40} if on_demand else {"qkv_linear": 0, "core_attn": 0})
+    assert off == 0  # 56 bytes were off the device: all three are back
+    assert calls == [([16, 32, 8], ["d2h0", "d2h1", "d2h2"], [1, 1, 1])] and seq == 8
+    assert fields == [(16, "event1.0", 6, False, False), (32, "event1.1", 7, False, False),
+                      (8, "event1.2", 8, False, False)]

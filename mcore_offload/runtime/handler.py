@@ -522,6 +522,10 @@ class ChunkOffloadHandler(HandlerBase):
     def _reload(self, *runs: list[Entry], on_demand: bool = False) -> None:
         """One reload burst for what is on the host only in ``runs`` (lists of entries, in the order needed; each run
         gets its own done event)."""
+        native = self.manager.native
+        if native is not None:  # the same in C++ (runtime/native/reload.cpp)
+            native.reload(self, runs, on_demand)
+            return
         seen: set[int] = set()
         todo: list[Entry] = []
         parts: list[int] = []

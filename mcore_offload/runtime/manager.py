@@ -254,7 +254,11 @@ class OffloadManager:
     def handler_for(self, config: Any, name: str | None) -> ChunkOffloadHandler | None:
         """The handler an offload point should use now, or None when the point is off."""
         handler = self.forward_handler
-        if handler is None or not point_enabled(config, name):
+        if handler is None:
+            return None
+        # the forward chunk's own config: its enabled points are a set already (offload() and commit() ask once per
+        # point and layer)
+        if not (name in handler.enabled_points if config is handler.config else point_enabled(config, name)):
             return None
         if not torch.is_grad_enabled() or _in_backward():
             return None

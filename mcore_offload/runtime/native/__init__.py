@@ -1,14 +1,16 @@
 """The runtime's per-tensor and per-storage steps in C++ (``hooks.cpp``: the saved-tensor hooks; ``copy_path.cpp`` and
-``entry.cpp``: the copy-out and copy helpers), built on first use with PyTorch's extension builder.
+``entry.cpp``: the copy-out and copy helpers; ``reload.cpp``: the reload's bookkeeping), built on first use with
+PyTorch's extension builder.
 
 Why: in a launch-bound step (config A on an H100) the runtime's host time is step time, and some of its steps run
 once per saved tensor or per storage: the pack and unpack hooks (6.8 and 6.7 µs each in Python, 1,856 calls per step
 in session 18's breakdown of A's attention set), the copy-out (grouping by storage, alias checks, one entry and
 release callback per storage, per-view bookkeeping: about 200 µs of Python per burst of about ten storages in session
-20's breakdown), the per-copy loop and the reload's allocations. The C++ versions do the same checks and the same
-work without a Python frame, and hand every uncommon case (tensor subclasses, other layouts, a storage not back yet,
-a storage several saved views share when deciding whether another tensor holds it) to the Python code, so both paths
-decide alike; ``tests/test_native_hooks.py`` checks that they do.
+20's breakdown), the per-copy loop, the reload's allocations and its per-entry bookkeeping. The C++ versions do the
+same checks and the same work without a Python frame, and hand every uncommon case (tensor subclasses, other layouts,
+a storage not back yet, a storage several saved views share when deciding whether another tensor holds it) to the
+Python code, so both paths decide alike; ``tests/test_native_hooks.py`` and ``tests/test_native_copy_out.py`` check
+that they do.
 
 ``MCORE_OFFLOAD_NATIVE``:
 
@@ -39,7 +41,7 @@ from mcore_offload.config import choice_env
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("hooks.cpp", "copy_path.cpp", "entry.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("hooks.cpp", "copy_path.cpp", "entry.cpp", "reload.cpp"))
 HEADERS = (Path(__file__).with_name("common.h"),)
 MODES = ("auto", "0", "1")
 

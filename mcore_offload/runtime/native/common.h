@@ -1,5 +1,6 @@
 // Declarations shared by the native runtime's translation units: hooks.cpp (the saved-tensor hook types and the
-// module), copy_path.cpp (the copy-out and copy helpers) and entry.cpp (the copy-out's object types). See __init__.py for why and how this is built.
+// module), copy_path.cpp (the copy-out and copy helpers), entry.cpp (the copy-out's object types) and reload.cpp (the
+// reload's bookkeeping). See __init__.py for why and how this is built.
 #pragma once
 
 #include <Python.h>
@@ -55,8 +56,9 @@ struct SavedRef {
 };
 extern PyTypeObject SavedRefType;
 
-// copy_path.cpp: its module functions
+// copy_path.cpp and reload.cpp: their module functions
 extern PyMethodDef copy_path_methods[];
+extern PyMethodDef reload_methods[];
 
 // entry.cpp: Entry(point, nbytes, host, d2h_event, device_ptr) and Released(handler, ptr, entry) as new references
 // (nullptr: error set); entry.storage_ref = weak (stolen); the two types readied and Entry added to the module

@@ -10,8 +10,8 @@
 //   Unpacker  the unpack hook of one handler: ChunkOffloadHandler.tensor_pop. Only a view whose entry is back on
 //             the device and already waited for is rebuilt here; the rest goes to the handler's _rebuild.
 //
-// The copy-out and copy helpers are in copy_path.cpp and entry.cpp. Every hook adds its host time to summary.runtime_ns, as the
-// Python hooks do.
+// The copy-out and copy helpers are in copy_path.cpp and entry.cpp, the reload's bookkeeping in reload.cpp. Every
+// hook adds its host time to summary.runtime_ns, as the Python hooks do.
 
 #include "common.h"
 
@@ -567,7 +567,8 @@ PyMODINIT_FUNC MCO_CONCAT(PyInit_, TORCH_EXTENSION_NAME)(void) {
   if (PyModule_AddObjectRef(m, "SavedRef", reinterpret_cast<PyObject*>(&SavedRefType)) < 0 ||
       PyModule_AddObjectRef(m, "Packer", reinterpret_cast<PyObject*>(&PackerType)) < 0 ||
       PyModule_AddObjectRef(m, "Unpacker", reinterpret_cast<PyObject*>(&UnpackerType)) < 0 ||
-      PyModule_AddFunctions(m, copy_path_methods) < 0 || !entry_types_ready(m)) {
+      PyModule_AddFunctions(m, copy_path_methods) < 0 || PyModule_AddFunctions(m, reload_methods) < 0 ||
+      !entry_types_ready(m)) {
     Py_DECREF(m);
     return nullptr;
   }
