@@ -433,7 +433,11 @@ PyObject* module_copy_out(PyObject*, PyObject* args) {
     PyObject* refs = PyTuple_GET_ITEM(item, 1);
     PyObject* entry = PyDict_GetItemWithError(live, ptr);  // borrowed
     if (entry != nullptr) {  // already offloaded by an earlier group of this chunk
+      // held across the attach: dropping the last view of a storage runs its release callback, which takes the
+      // entry out of handler.live
+      Py_INCREF(entry);
       ok = attach_all(entry, refs) == 0;
+      Py_DECREF(entry);
       continue;
     }
     if (PyErr_Occurred()) {
