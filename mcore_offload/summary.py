@@ -100,6 +100,12 @@ class OffloadSummary:
         self._peak_reader = None
         self.off_by_key = None  # off_by_key_at_peak stays for the caller
 
+    @property
+    def tracing(self) -> bool:
+        """Whether the peak is being traced (:meth:`track_peak`): every change of the bytes off the device must then
+        be reported on its own, since each one reads the allocator's peak."""
+        return self._peak_reader is not None or self.off_by_key is not None
+
     def _probe_peak(self) -> None:
         if self._peak_reader is not None:
             peak = self._peak_reader()

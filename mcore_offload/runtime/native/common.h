@@ -33,6 +33,14 @@ extern PyObject* s_rebuild;
 extern PyObject* s_tensor_push;
 extern PyObject* s_tensor_pop;
 extern PyObject* s_offloading_activation;
+extern PyObject* s_host;
+extern PyObject* s_nbytes;
+extern PyObject* s_d2h_event;
+extern PyObject* s_h2d_event;
+extern PyObject* s_h2d_seq;
+extern PyObject* s_point;
+extern PyObject* s_off_device;
+extern PyObject* s_reload_seq;
 
 int64_t now_ns();
 // obj.<name> += delta (-1 on a Python error): the counters the Python code keeps (runtime_ns, parameters, users)
@@ -55,6 +63,22 @@ struct SavedRef {
   PyObject* stride;
 };
 extern PyTypeObject SavedRefType;
+
+// Byte totals per offload point over one burst, reported as summary.add(point, counter, total) per point: the
+// counters of manager.on_offloaded / on_reloaded for a whole burst (the same totals). copy_path.cpp
+class PointTotals {
+ public:
+  PointTotals() = default;
+  PointTotals(const PointTotals&) = delete;
+  PointTotals& operator=(const PointTotals&) = delete;
+  ~PointTotals();
+  void add(PyObject* point, long long n);  // keeps a reference to ``point``
+  int report(PyObject* summary, const char* counter) const;  // -1: error set
+  long long total() const;
+
+ private:
+  std::vector<std::pair<PyObject*, long long>> totals_;
+};
 
 // copy_path.cpp and reload.cpp: their module functions
 extern PyMethodDef copy_path_methods[];

@@ -341,29 +341,21 @@ struct ToCopy {
   PyObject* refs;
 };
 
-// summary.add(point, "offloaded", n) per point and one summary.host_resident(total): on_offloaded's counters for a
-// whole burst (the same totals, and the same resident peak: every delta is positive)
-int count_offloaded(PyObject* summary, const std::vector<std::pair<PyObject*, int64_t>>& by_point, int64_t total) {
-  for (const auto& pn : by_point) {
-    PyObject* r = PyObject_CallMethod(summary, "add", "OsL", pn.first, "offloaded", static_cast<long long>(pn.second));
-    if (r == nullptr) return -1;
-    Py_DECREF(r);
-  }
-  PyObject* r = PyObject_CallMethod(summary, "host_resident", "L", static_cast<long long>(total));
-  if (r == nullptr) return -1;
-  Py_DECREF(r);
-  return 0;
+// summary.host_resident(total) once for a burst: the same resident peak as one call per entry (every delta is positive)
+int count_resident(PyObject* summary, long long total) {
+  PyObject* r = PyObject_CallMethod(summary, "host_resident", "L", total);
+  Py_XDECREF(r);
+  return r == nullptr ? -1 : 0;
 }
 
 // The entries of one copy burst: made, registered in handler.live with their release callbacks, counted, attached
 int make_entries(PyObject* handler, PyObject* live, const std::vector<ToCopy>& todo, PyObject* hosts,
                  PyObject* event) {
-  std::vector<std::pair<PyObject*, int64_t>> by_point;  // borrowed point strings
-  int64_t total = 0;
+  PointTotals offloaded;
   for (size_t i = 0; i < todo.size(); ++i) {
     const ToCopy& c = todo[i];
     PyObject* first = PyList_GET_ITEM(c.refs, 0);
-    PyObject* point = PyObject_GetAttrString(first, "point");
+    PyObject* point = PyObject_GetAttr(first, s_point);
     if (point == nullptr) return -1;
     int64_t n = static_cast<int64_t>(THPStorage_Unpack(c.storage).nbytes());
     PyObject* nbytes = PyLong_FromLongLong(n);
@@ -378,25 +370,16 @@ int make_entries(PyObject* handler, PyObject* live, const std::vector<ToCopy>& t
       rc = PyDict_SetItem(live, c.ptr, entry);
     }
     if (rc == 0) {
-      bool found = false;
-      for (auto& pn : by_point) {
-        if (pn.first == point || PyObject_RichCompareBool(pn.first, point, Py_EQ) == 1) {
-          pn.second += n;
-          found = true;
-          break;
-        }
-      }
-      if (!found) by_point.emplace_back(point, n);
-      total += n;
+      offloaded.add(point, n);
       rc = attach_all(entry, c.refs);
     }
     Py_XDECREF(entry);
-    Py_DECREF(point);  // the entry holds it, and so does by_point's owner (the first ref): borrowed is safe
+    Py_DECREF(point);
     if (rc < 0) return -1;
   }
   PyObject* summary = PyObject_GetAttrString(handler, "summary");
   if (summary == nullptr) return -1;
-  int rc = count_offloaded(summary, by_point, total);
+  int rc = offloaded.report(summary, "offloaded") < 0 || count_resident(summary, offloaded.total()) < 0 ? -1 : 0;
   Py_DECREF(summary);
   return rc;
 }
@@ -519,6 +502,38 @@ PyObject* module_copy_out(PyObject*, PyObject* args) {
 }
 
 }  // namespace
+
+PointTotals::~PointTotals() {
+  for (auto& pn : totals_) Py_DECREF(pn.first);
+}
+
+void PointTotals::add(PyObject* point, long long n) {
+  for (auto& pn : totals_) {
+    int same = pn.first == point ? 1 : PyObject_RichCompareBool(pn.first, point, Py_EQ);
+    if (same < 0) PyErr_Clear();  // points are strings: a comparison that fails counts as another point
+    if (same > 0) {
+      pn.second += n;
+      return;
+    }
+  }
+  Py_INCREF(point);
+  totals_.emplace_back(point, n);
+}
+
+int PointTotals::report(PyObject* summary, const char* counter) const {
+  for (const auto& pn : totals_) {
+    PyObject* r = PyObject_CallMethod(summary, "add", "OsL", pn.first, counter, pn.second);
+    if (r == nullptr) return -1;
+    Py_DECREF(r);
+  }
+  return 0;
+}
+
+long long PointTotals::total() const {
+  long long sum = 0;
+  for (const auto& pn : totals_) sum += pn.second;
+  return sum;
+}
 
 PyMethodDef copy_path_methods[] = {
     {"storages_of", module_storages_of, METH_O, "storages_of(groups): handler.flush's grouping by storage"},

@@ -32,6 +32,14 @@ PyObject* s_rebuild;
 PyObject* s_tensor_push;
 PyObject* s_tensor_pop;
 PyObject* s_offloading_activation;
+PyObject* s_host;
+PyObject* s_nbytes;
+PyObject* s_d2h_event;
+PyObject* s_h2d_event;
+PyObject* s_h2d_seq;
+PyObject* s_point;
+PyObject* s_off_device;
+PyObject* s_reload_seq;
 
 // rejection reasons (handler.ineligible_reason's words)
 PyObject* r_other_device;
@@ -506,6 +514,14 @@ bool intern_all() {
                {&s_tensor_push, "tensor_push"},
                {&s_tensor_pop, "tensor_pop"},
                {&s_offloading_activation, "offloading_activation"},
+               {&s_host, "host"},
+               {&s_nbytes, "nbytes"},
+               {&s_d2h_event, "d2h_event"},
+               {&s_h2d_event, "h2d_event"},
+               {&s_h2d_seq, "h2d_seq"},
+               {&s_point, "point"},
+               {&s_off_device, "off_device"},
+               {&s_reload_seq, "reload_seq"},
                {&r_other_device, "other device"},
                {&r_small, "under min_offloaded_tensor_size"},
                {&r_parameter, "parameter"},

@@ -12,34 +12,6 @@
 namespace mco {
 namespace {
 
-struct Interned {
-  PyObject* host;
-  PyObject* nbytes;
-  PyObject* d2h_event;
-  PyObject* h2d_event;
-  PyObject* h2d_seq;
-  PyObject* point;
-  PyObject* off_device;
-  PyObject* reload_seq;
-};
-
-Interned names;
-
-bool intern_names() {
-  if (names.host != nullptr) return true;
-  struct {
-    PyObject** slot;
-    const char* text;
-  } all[] = {{&names.host, "host"},           {&names.nbytes, "nbytes"},         {&names.d2h_event, "d2h_event"},
-             {&names.h2d_event, "h2d_event"}, {&names.h2d_seq, "h2d_seq"},       {&names.point, "point"},
-             {&names.off_device, "off_device"}, {&names.reload_seq, "reload_seq"}};
-  for (auto& n : all) {
-    *n.slot = PyUnicode_InternFromString(n.text);
-    if (*n.slot == nullptr) return false;
-  }
-  return true;
-}
-
 // 1: attr is None, 0: it is not, -1: error
 int attr_is_none(PyObject* obj, PyObject* name) {
   PyObject* v = PyObject_GetAttr(obj, name);
@@ -59,7 +31,7 @@ int on_host_only(PyObject* runs, std::vector<PyObject*>& todo, std::vector<Py_ss
     for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
       PyObject* e = PySequence_Fast_GET_ITEM(seq, i);
       int gone = attr_is_none(e, s_device_storage);
-      int no_host = gone == 1 ? attr_is_none(e, names.host) : 1;
+      int no_host = gone == 1 ? attr_is_none(e, s_host) : 1;
       if (gone < 0 || no_host < 0) {
         Py_DECREF(seq);
         return -1;
@@ -86,17 +58,16 @@ PyObject* gather(const std::vector<PyObject*>& todo, PyObject* name) {
   return out;
 }
 
-// manager.on_reloaded for every entry of the burst: entry by entry while the summary traces the peak, else one
-// summary.add per point and counter and one summary.off_device for every entry that was off the device
+// manager.on_reloaded for every entry of the burst: entry by entry while the summary traces the peak (it reads the
+// allocator at each change), else one summary.add per point and counter and one summary.off_device for the entries
+// that were off the device
 int count_reloaded(PyObject* handler, const std::vector<PyObject*>& todo, bool on_demand) {
   PyObject* summary = PyObject_GetAttrString(handler, "summary");
   if (summary == nullptr) return -1;
-  PyObject* reader = PyObject_GetAttrString(summary, "_peak_reader");
-  PyObject* by_key = reader ? PyObject_GetAttrString(summary, "off_by_key") : nullptr;
-  bool tracing = reader != nullptr && by_key != nullptr && (reader != Py_None || by_key != Py_None);
-  bool ok = reader != nullptr && by_key != nullptr;
-  Py_XDECREF(reader);
-  Py_XDECREF(by_key);
+  PyObject* flag = PyObject_GetAttrString(summary, "tracing");
+  int tracing = flag ? PyObject_IsTrue(flag) : -1;
+  Py_XDECREF(flag);
+  bool ok = tracing >= 0;
   if (ok && tracing) {
     PyObject* manager = PyObject_GetAttrString(handler, "manager");
     ok = manager != nullptr;
@@ -107,47 +78,25 @@ int count_reloaded(PyObject* handler, const std::vector<PyObject*>& todo, bool o
     }
     Py_XDECREF(manager);
   } else if (ok) {
-    std::vector<std::pair<PyObject*, long long>> by_point;  // new references to the points
+    PointTotals reloaded;
     long long back = 0;
     for (size_t i = 0; ok && i < todo.size(); ++i) {
-      PyObject* point = PyObject_GetAttr(todo[i], names.point);
-      PyObject* nbytes = point ? PyObject_GetAttr(todo[i], names.nbytes) : nullptr;
+      PyObject* point = PyObject_GetAttr(todo[i], s_point);
+      PyObject* nbytes = point ? PyObject_GetAttr(todo[i], s_nbytes) : nullptr;
       long long n = nbytes ? PyLong_AsLongLong(nbytes) : -1;
       Py_XDECREF(nbytes);
-      PyObject* off = (n == -1 && PyErr_Occurred()) || point == nullptr ? nullptr
-                                                                        : PyObject_GetAttr(todo[i], names.off_device);
-      ok = off != nullptr;
+      PyObject* off = n == -1 && PyErr_Occurred() ? nullptr : PyObject_GetAttr(todo[i], s_off_device);
+      ok = point != nullptr && off != nullptr;
       if (ok && off == Py_True) {
         back += n;
-        ok = PyObject_SetAttr(todo[i], names.off_device, Py_False) == 0;
+        ok = PyObject_SetAttr(todo[i], s_off_device, Py_False) == 0;
       }
+      if (ok) reloaded.add(point, n);
       Py_XDECREF(off);
-      if (ok) {
-        bool found = false;
-        for (auto& pn : by_point) {
-          if (pn.first == point || PyObject_RichCompareBool(pn.first, point, Py_EQ) == 1) {
-            pn.second += n;
-            found = true;
-            break;
-          }
-        }
-        if (!found) {
-          Py_INCREF(point);
-          by_point.emplace_back(point, n);
-        }
-      }
       Py_XDECREF(point);
     }
-    for (auto& pn : by_point) {
-      PyObject* r = ok ? PyObject_CallMethod(summary, "add", "OsL", pn.first, "reloaded", pn.second) : nullptr;
-      Py_XDECREF(r);
-      if (r != nullptr && on_demand) {
-        r = PyObject_CallMethod(summary, "add", "OsL", pn.first, "reloaded_on_demand", pn.second);
-        Py_XDECREF(r);
-      }
-      ok = r != nullptr;
-      Py_DECREF(pn.first);
-    }
+    ok = ok && reloaded.report(summary, "reloaded") == 0 &&
+         (!on_demand || reloaded.report(summary, "reloaded_on_demand") == 0);
     if (ok && back != 0) {
       PyObject* r = PyObject_CallMethod(summary, "off_device", "L", -back);
       ok = r != nullptr;
@@ -165,14 +114,13 @@ PyObject* module_reload(PyObject*, PyObject* args) {
   PyObject *handler, *runs;
   int on_demand;
   if (!PyArg_ParseTuple(args, "OO!p", &handler, &PyTuple_Type, &runs, &on_demand)) return nullptr;
-  if (!intern_names()) return nullptr;
   std::vector<PyObject*> todo;
   std::vector<Py_ssize_t> parts;
   if (on_host_only(runs, todo, parts) < 0) return nullptr;
   if (todo.empty()) Py_RETURN_NONE;
-  PyObject* hosts = gather(todo, names.host);
-  PyObject* sizes = hosts ? gather(todo, names.nbytes) : nullptr;
-  PyObject* after = sizes ? gather(todo, names.d2h_event) : nullptr;
+  PyObject* hosts = gather(todo, s_host);
+  PyObject* sizes = hosts ? gather(todo, s_nbytes) : nullptr;
+  PyObject* after = sizes ? gather(todo, s_d2h_event) : nullptr;
   PyObject* parts_arg = nullptr;
   if (after != nullptr) {
     if (parts.size() > 1) {
@@ -210,14 +158,14 @@ PyObject* module_reload(PyObject*, PyObject* args) {
   size_t i = 0;
   for (size_t p = 0; ok && p < parts.size(); ++p) {
     // transport.reload_seq += 1: this run's burst number (Transport.wait_reload)
-    ok = add_to_attr(transport, names.reload_seq, 1) == 0;
-    PyObject* seq = ok ? PyObject_GetAttr(transport, names.reload_seq) : nullptr;
+    ok = add_to_attr(transport, s_reload_seq, 1) == 0;
+    PyObject* seq = ok ? PyObject_GetAttr(transport, s_reload_seq) : nullptr;
     ok = seq != nullptr;
     PyObject* event = ok ? PyList_GET_ITEM(events, static_cast<Py_ssize_t>(p)) : nullptr;
     for (Py_ssize_t k = 0; ok && k < parts[p]; ++k, ++i) {
       PyObject* e = todo[i];
       ok = PyObject_SetAttr(e, s_device_storage, PyList_GET_ITEM(storages, static_cast<Py_ssize_t>(i))) == 0 &&
-           PyObject_SetAttr(e, names.h2d_event, event) == 0 && PyObject_SetAttr(e, names.h2d_seq, seq) == 0 &&
+           PyObject_SetAttr(e, s_h2d_event, event) == 0 && PyObject_SetAttr(e, s_h2d_seq, seq) == 0 &&
            PyObject_SetAttr(e, s_compute_waited, Py_False) == 0;
     }
     Py_XDECREF(seq);
