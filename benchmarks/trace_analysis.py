@@ -1,7 +1,7 @@
 """Where does a step's time go? Summarise a torch.profiler Chrome trace of training steps.
 
 - Per CUDA stream: busy time (union of kernel / memcpy / memset intervals).
-- The compute stream (the one with the most kernel time): its idle time inside the profiled window, split
+- The compute stream (the one with the most kernels, NCCL's left out): its idle time inside the profiled window, split
   into gaps where the next kernel was launched late by the CPU ("cpu_bound") and gaps where it had been
   launched in time but the stream waited anyway ("gpu_wait": an event wait, a copy, a synchronisation).
 - Copies: bytes and achieved throughput of device-to-host and host-to-device copies.
@@ -34,6 +34,10 @@ def _union(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def _is_nccl(kernel_name: str) -> bool:
+    return kernel_name.startswith("nccl")
+
+
 def analyse(trace: dict, gap_us: float = 20.0, top: int = 15) -> dict:
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
     gpu = [e for e in events if e.get("cat") in GPU_CATS]
@@ -58,7 +62,11 @@ def analyse(trace: dict, gap_us: float = 20.0, top: int = 15) -> dict:
     out["annotations"] = dict(ranges)
     if not gpu:
         return out
-    compute = max(by_stream, key=lambda s: sum(e["dur"] for e in by_stream[s] if e["cat"] == "kernel"))
+    # The compute stream is the one that launches the most kernels, NCCL's left out. Not the most kernel time: under
+    # pipeline parallelism a point-to-point receive is one NCCL kernel that spins until its peer sends, and on a rank
+    # that waits a lot those few kernels outlast all of its compute (seen on 2x H100, configuration D).
+    compute = max(by_stream, key=lambda s: sum(1 for e in by_stream[s]
+                                                if e["cat"] == "kernel" and not _is_nccl(e.get("name", ""))))
     kernels = sorted(by_stream[compute], key=lambda e: e["ts"])
     window = (kernels[0]["ts"], max(e["ts"] + e["dur"] for e in kernels))
     cpu_bound = gpu_wait = 0.0

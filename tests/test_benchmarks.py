@@ -171,6 +171,19 @@ def test_trace_analysis_splits_compute_idle_into_cpu_bound_and_gpu_wait():
     assert out["annotations"]["mcore_offload.x"] == {"count": 1, "ms": 2.0}
 
 
+def test_trace_analysis_compute_stream_is_not_a_waiting_nccl_stream():
+    """Under pipeline parallelism one NCCL receive can spin longer than all of a rank's compute: the compute stream
+    is the stream with the most kernels, NCCL's not counted."""
+    import trace_analysis
+
+    events = [{"ph": "X", "cat": "kernel", "name": f"gemm{i}", "ts": i * 100, "dur": 50,
+               "args": {"stream": 7, "correlation": i}} for i in range(5)]
+    events += [{"ph": "X", "cat": "kernel", "name": "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)",
+                "ts": i * 1000, "dur": 900, "args": {"stream": 30, "correlation": 100 + i}} for i in range(2)]
+    cs = trace_analysis.analyse({"traceEvents": events})["compute_stream"]
+    assert cs["stream"] == "7" and cs["busy_ms"] == pytest.approx(0.25)
+
+
 @pytest.mark.multiproc
 def test_pretrain_gpt_evaluation_between_steps_offloads_nothing(tmp_path):
     """--eval-interval 1: a forward-only evaluation after every step; training still offloads and matches."""
