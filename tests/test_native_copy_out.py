@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from mcore_offload.runtime import native
-from mcore_offload.runtime.handler import Entry
 from mcore_offload.runtime.manager import get_manager, reset
+from mcore_offload.runtime.saved import Entry
 from mcore_offload.summary import get_summary
 from tests.test_runtime_unit import _one_ref_cases, run
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from mcore_offload.runtime import native, points
-from mcore_offload.runtime.handler import ChunkOffloadHandler, SavedRef
+from mcore_offload.runtime.handler import ChunkOffloadHandler
 from mcore_offload.runtime.manager import get_manager
+from mcore_offload.runtime.saved import SavedRef
 
 
 @pytest.fixture
@@ -126,7 +127,7 @@ def test_an_entry_not_yet_waited_for_goes_through_the_handler(module):
 
 
 class _Entry:
-    """What the unpack hook reads of a reloaded handler.Entry."""
+    """What the unpack hook reads of a reloaded saved.Entry."""
 
     def __init__(self, storage: torch.UntypedStorage) -> None:
         self.device_storage, self.compute_waited, self.users = storage, True, 0

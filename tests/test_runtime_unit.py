@@ -185,7 +185,7 @@ def test_storage_held_elsewhere_is_not_copied():
 
 def _one_ref_cases():
     """(name, SavedRef, what else keeps alive, expected answer); no test-frame name refers to the saved tensor."""
-    from mcore_offload.runtime.handler import Group, SavedRef
+    from mcore_offload.runtime.saved import Group, SavedRef
 
     group = Group("qkv_linear")
     sole = SavedRef(torch.randn(64), group, "qkv_linear")
@@ -204,13 +204,13 @@ def _one_ref_cases():
 
 
 def test_the_one_reference_fast_path_answers_like_the_general_check():
-    from mcore_offload.runtime.handler import _held_by_other_than_many, _held_by_other_than_one
+    from mcore_offload.runtime.saved import held_by_other_than_many, held_by_other_than_one
 
     for case in _one_ref_cases():  # the case tuple is the only extra holder of its keeper: one reference
         name, ref, expected = case[0], case[1], case[3]
         storage = ref.tensor.untyped_storage()
-        assert _held_by_other_than_one(storage, ref) is expected, name
-        assert _held_by_other_than_many(storage, [ref]) is expected, name
+        assert held_by_other_than_one(storage, ref) is expected, name
+        assert held_by_other_than_many(storage, [ref]) is expected, name
 
 
 class _GroupedGemm(torch.autograd.Function):
@@ -368,16 +368,16 @@ def test_exception_inside_a_point_frees_what_the_point_saved(monkeypatch):
 
 
 def test_coverage_counts_each_saved_byte_range_once_and_stops_at_the_threshold():
-    from mcore_offload.runtime.handler import SavedRef, _covers
+    from mcore_offload.runtime.saved import SavedRef, covers
 
     base = torch.zeros(1600)  # 6400 bytes
     experts = [SavedRef(v, None, "expert_fc1") for v in torch.split(base, 100)]  # 16 views, one per expert
-    assert _covers(experts, 0.5 * 6400)
-    assert not _covers(experts[:7], 0.5 * 6400)  # 7 of 16 views: 2800 bytes
+    assert covers(experts, 0.5 * 6400)
+    assert not covers(experts[:7], 0.5 * 6400)  # 7 of 16 views: 2800 bytes
     same = [SavedRef(base[:400], None, "core_attn") for _ in range(8)]  # one view saved 8 times: 1600 bytes
-    assert not _covers(same, 0.5 * 6400)
+    assert not covers(same, 0.5 * 6400)
     as_bytes = [SavedRef(base[:400].view(torch.uint8), None, "core_attn"), SavedRef(base[:400], None, "core_attn")]
-    assert not _covers(as_bytes, 1601)  # the same bytes seen as another dtype count once too
+    assert not covers(as_bytes, 1601)  # the same bytes seen as another dtype count once too
 
 
 def test_parameter_storages_are_walked_in_the_first_two_steps_then_kept(monkeypatch):

@@ -22,15 +22,24 @@ kernel sees the very layout it saw in forward and results are bitwise identical.
 from __future__ import annotations
 
 import logging
-import sys
 import weakref
-from dataclasses import dataclass, field
 from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mcore_offload.runtime.base import HandlerBase
+from mcore_offload.runtime.saved import (
+    MIN_STORAGE_COVERAGE,
+    ROUTED_POINTS,
+    Entry,
+    Group,
+    SavedRef,
+    covers,
+    held_by_other_than_many,
+    held_elsewhere,
+    routed_key,
+)
 from mcore_offload.runtime.transport import transport_for
 
 if TYPE_CHECKING:
@@ -38,138 +47,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# A storage is offloaded only if the views saved from it cover at least half of it: copying a whole
-# large buffer for a small slice (persistent buffers, KV caches) would cost link time and free nothing.
-MIN_STORAGE_COVERAGE = 0.5
-# Points whose saved storages are sized by the MoE routing (tokens per local expert): their host buffers get
-# spare room (transport.HostBufferPool.ROUTED_HEADROOM)
-ROUTED_POINTS = frozenset({"expert_fc1", "moe_act"})
-
-
-def _routed_key(point: str) -> str | None:
-    return point if point in ROUTED_POINTS else None
-
-
-class Entry:
-    """One offloaded storage (slots: one is made per storage and flush, on the hot path)."""
-
-    __slots__ = ("point", "nbytes", "host", "d2h_event", "device_storage", "h2d_event", "h2d_seq", "compute_waited",
-                 "users", "storage_ref", "off_device", "device_ptr", "peak_key")
-
-    def __init__(self, point: str, nbytes: int, host: torch.Tensor | None, d2h_event: Any, device_ptr: int = 0) -> None:
-        self.point = point
-        self.nbytes = nbytes
-        self.host = host
-        self.d2h_event = d2h_event
-        self.device_storage: torch.UntypedStorage | None = None
-        self.h2d_event: Any = None
-        self.h2d_seq = 0  # the number of the reload burst that brought it back (Transport.wait_reload)
-        self.compute_waited = False
-        self.users = 0  # groups whose backward has not finished yet
-        self.storage_ref: Any = None  # weakref to the original device storage
-        self.off_device = False  # the original storage is freed and no reloaded copy exists yet
-        self.device_ptr = device_ptr  # the original storage's address (audits: never a parameter's or a workspace's)
-        self.peak_key: Any = None  # auto's peak step: (vp_stage, layer, point), for what is off at the peak
-
-
-class SavedRef:
-    """What the pack hook returns for an eligible tensor: the tensor, then (once offloaded) its view."""
-
-    __slots__ = ("tensor", "group", "point", "entry", "dtype", "offset", "size", "stride")
-
-    def __init__(self, tensor: torch.Tensor, group: Group, point: str) -> None:
-        self.tensor: torch.Tensor | None = tensor
-        self.group = group
-        self.point = point  # the offload point that saved it (a group may span consecutive points)
-        self.entry: Entry | None = None
-
-
-@dataclass(eq=False, slots=True)
-class Group:
-    name: str  # the first point of the group
-    points: list[str] = field(default_factory=list)  # every point it spans (see runtime/points.py: chains)
-    refs: list[SavedRef] = field(default_factory=list)
-    rejected: dict[str, int] = field(default_factory=dict)  # why saved tensors stayed, for the log
-    parameters: int = 0  # saved parameters (rejected by the pack hook's fast path, not in ``rejected``)
-    entries: list[Entry] = field(default_factory=list)
-    layer: int = 0  # the handler's layer count when the group opened
-    index: int = -1  # position among the handler's committed groups
-    committed: bool = False
-    kept_on_device: bool = False
-    done: bool = False
-
-
-def _covers(refs: list[SavedRef], need: float) -> bool:
-    """Whether the distinct byte ranges the saved views start at cover ``need`` bytes (a view saved twice counts
-    once). Stops as soon as they do: a grouped GEMM saves one view per expert, and half of them suffice."""
-    covered, seen = 0, set()
-    for r in refs:
-        t = r.tensor
-        size = t.element_size()
-        key = (t.storage_offset() * size, t.numel() * size)
-        if key not in seen:
-            seen.add(key)
-            covered += key[1]
-            if covered >= need:
-                return True
-    return False
-
-
-_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
 _Tensor, _strided = torch.Tensor, torch.strided  # module globals: read once per saved tensor
-
-
-def _held_elsewhere(storage: torch.UntypedStorage, refs: list[SavedRef]) -> bool:
-    """Whether a tensor other than the ones we hold references ``storage``."""
-    if _storage_use_count is None:  # private API gone: assume sole ownership, as TE does
-        return False
-    return _held_by_other_than_one(storage, refs[0]) if len(refs) == 1 else _held_by_other_than_many(storage, refs)
-
-
-def _held_by_other_than_one(storage: torch.UntypedStorage, ref: SavedRef) -> bool:
-    """:func:`_held_elsewhere` for one saved reference, the common case: the same counts without the dicts
-    (a third of the host time in a real step; tests check both answers agree)."""
-    t = ref.tensor
-    base = t._base
-    # storage users: the saved tensor, its base if it is a view, and the storage object we hold
-    if _storage_use_count(storage._cdata) > (2 if base is None else 3):
-        return True
-    # Python references to the tensor: the SavedRef, ``t`` and getrefcount's argument
-    if sys.getrefcount(t) > 3:
-        return True
-    # to the base: ``base``, the argument and the view's C++ side
-    return base is not None and sys.getrefcount(base) > 3
-
-
-def _held_by_other_than_many(storage: torch.UntypedStorage, refs: list[SavedRef]) -> bool:
-    tensors = {id(r.tensor): r.tensor for r in refs}
-    # A view keeps its base alive, so the base counts as ours too (``_base`` is always the root).
-    bases = {id(t._base): t._base for t in tensors.values() if t._base is not None}
-    for k in tensors:
-        bases.pop(k, None)
-    ours = len(tensors) + len(bases) + 1  # + the storage object we hold
-    if _storage_use_count(storage._cdata) > ours:
-        return True
-    # The very tensor object we saved may be held elsewhere too (a cached attention mask saved by
-    # every layer): Python references beyond our SavedRefs, the dict above and the loop variable.
-    uses = {k: 0 for k in tensors}
-    for r in refs:
-        uses[id(r.tensor)] += 1
-    # A saved tensor that is the base of another saved view (attention's output saved by core_attn, its
-    # reshape saved by attn_proj) has one more: the Python object the view's C++ side keeps alive.
-    for k in {id(t._base) for t in tensors.values() if t._base is not None} & uses.keys():
-        uses[k] += 1
-    for k in tensors:
-        t = tensors[k]
-        if sys.getrefcount(t) - 3 > uses[k]:  # 3 = the dict value, ``t`` and getrefcount's argument
-            return True
-    for k in bases:
-        b = bases[k]
-        # 4 = the dict value, ``b``, the argument, and the reference the views' C++ side keeps; more means
-        # Python code still holds the base (a received pipeline activation in the schedule's list).
-        if sys.getrefcount(b) > 4:
-            return True
-    return False
 
 
 class ChunkOffloadHandler(HandlerBase):
@@ -326,7 +204,7 @@ class ChunkOffloadHandler(HandlerBase):
         probing = manager.auto is not None and manager.auto.plan is None
         if native is not None and manager.offload_log is None and not probing:
             # all of the below in C++ (copy_path.cpp: copy_out), for a step that neither audits nor probes
-            native.copy_out(self, groups, _held_by_other_than_many, ROUTED_POINTS, MIN_STORAGE_COVERAGE)
+            native.copy_out(self, groups, held_by_other_than_many, ROUTED_POINTS, MIN_STORAGE_COVERAGE)
             return
         if native is not None:
             by_storage, attach = native.storages_of(groups), native.attach
@@ -345,12 +223,12 @@ class ChunkOffloadHandler(HandlerBase):
                 attach(entry, refs)
                 continue
             if len(refs) == 1:  # the common case, without the set of distinct views (and no local
-                # name for the tensor: _held_elsewhere counts Python references)
+                # name for the tensor: held_elsewhere counts Python references)
                 if refs[0].tensor.numel() * refs[0].tensor.element_size() < MIN_STORAGE_COVERAGE * st.nbytes():
                     continue
-            elif not _covers(refs, MIN_STORAGE_COVERAGE * st.nbytes()):
+            elif not covers(refs, MIN_STORAGE_COVERAGE * st.nbytes()):
                 continue
-            if _held_elsewhere(st, refs):
+            if held_elsewhere(st, refs):
                 # Another live tensor (a residual, a mask shared by all layers, a tensor saved outside
                 # the group) keeps the storage: copying it would free nothing.
                 self.manager.on_skipped(refs[0].point, st.nbytes())
@@ -359,7 +237,7 @@ class ChunkOffloadHandler(HandlerBase):
         if not to_copy:
             return
         hosts, event = self.transport.to_host([st for _, st, _ in to_copy], [refs[0].tensor for _, _, refs in to_copy],
-                                              [_routed_key(refs[0].point) for _, _, refs in to_copy])
+                                              [routed_key(refs[0].point) for _, _, refs in to_copy])
         for (ptr, st, refs), host in zip(to_copy, hosts):
             entry = Entry(point=refs[0].point, nbytes=st.nbytes(), host=host, d2h_event=event, device_ptr=ptr)
             entry.storage_ref = weakref.ref(st, self._released_callback(ptr, entry))

@@ -30,8 +30,9 @@ from mcore_offload.config import (
     selectively_recomputed,
 )
 from mcore_offload.runtime.auto import AUTO, AutoPlanner, Plan, clock_mark, elapsed_ms, parse_auto
-from mcore_offload.runtime.handler import ChunkOffloadHandler, Entry, Group
+from mcore_offload.runtime.handler import ChunkOffloadHandler
 from mcore_offload.runtime.native import load_native
+from mcore_offload.runtime.saved import Entry, Group
 from mcore_offload.runtime.transport import host_memory_kind, reset_transports, settle_pools
 from mcore_offload.summary import OffloadSummary
 
@@ -199,7 +200,7 @@ class OffloadManager:
             # training runs: walked in the first PROTECTED_WALKS steps (main_grad buffers made lazily by the first
             # backward are in the second walk), then kept. A storage this set misses is still never offloaded
             # while its parameter lives: the parameter's reference makes the flush's use-count test skip it (where
-            # torch exposes storage use counts; handler._held_elsewhere).
+            # torch exposes storage use counts; saved.held_elsewhere).
             walks = 0 if found is None else found[2]
             found = self._protected[model] = (*_parameter_storages(model), walks + 1, self._step_serial)
         device, protected = found[0], found[1]

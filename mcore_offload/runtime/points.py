@@ -31,8 +31,9 @@ from typing import Any, TypeVar
 import torch
 
 from mcore_offload.runtime import manager as _manager_module
-from mcore_offload.runtime.handler import ChunkOffloadHandler, Group
+from mcore_offload.runtime.handler import ChunkOffloadHandler
 from mcore_offload.runtime.manager import get_manager
+from mcore_offload.runtime.saved import Group
 
 F = TypeVar("F", bound=Callable[..., Any])
 

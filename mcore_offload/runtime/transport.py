@@ -7,10 +7,8 @@ hand-off between streams is guarded by an event; on CPU (the test harness) copie
 
 from __future__ import annotations
 
-import bisect
 import logging
-from collections import defaultdict, deque
-from collections.abc import Callable
+from collections import deque
 
 import torch
 
@@ -24,6 +22,7 @@ from mcore_offload.runtime.cudart import (
     RawEvent,
     load_runtime,
 )
+from mcore_offload.runtime.host_pool import HostBufferPool
 from mcore_offload.runtime.native import load_native
 from mcore_offload.runtime.telemetry import LinkTelemetry
 
@@ -40,16 +39,6 @@ def _set_stream(stream: torch.cuda.Stream) -> None:
         torch.cuda.set_stream(stream)
     else:
         _raw_set_stream(stream_id=stream.stream_id, device_index=stream.device_index, device_type=stream.device_type)
-
-
-def size_class(nbytes: int) -> int:
-    """The capacity a host buffer for ``nbytes`` gets: rounded up to 1/8 of its power of two (<12.5 % waste).
-
-    Sizes of MoE activations move from step to step (FP8 pads each expert's tokens to a multiple of 16, and
-    routing changes every step); rounding lets a buffer serve every nearby size, so the pool stops allocating.
-    """
-    granule = 1 << max(nbytes.bit_length() - 4, 9)
-    return -(-nbytes // granule) * granule
 
 
 def as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -75,139 +64,6 @@ def _part_ends(parts: list[int] | None, n: int) -> set[int]:
     if total != n or 0 in ends:
         raise ValueError(f"reload parts {parts} do not split {n} copies into non-empty runs")
     return ends
-
-
-class HostBufferPool:
-    """Host buffers reused by size class (:func:`size_class`); pinned when the device is CUDA.
-
-    ``acquire(n)`` hands out a uint8 tensor of exactly ``n`` bytes: the buffer itself, or its first ``n``
-    bytes when the buffer is larger. A buffer handed back carries the event of the last copy that reads it;
-    the next writer makes its stream wait on that event, so reuse never races an H2D still in flight and the
-    host never blocks.
-
-    Routed requests (MoE expert activations, keyed by their offload point) have sizes that follow the routing,
-    which moves every step and, under expert parallelism, by far more than FP8 padding: buffers sized per
-    request were outgrown until step 5 under EP=2 (seen on 2x H200). They get buffers of their own, one
-    capacity per key: ``ROUTED_HEADROOM`` above a request that did not fit the previous one, and, at the end of
-    a step in which it grew (:meth:`settle`), that much above the largest request seen, the key's smaller
-    buffers replaced. Later steps find as many buffers as they hold at once, each fitting every size up to
-    1.25x the first step's largest.
-    """
-
-    #: a free buffer of a larger class is taken if it is at most this much larger than the request's class
-    MAX_OVERSIZE = 1.25
-    ROUTED_HEADROOM = 0.25
-
-    def __init__(self, pin: bool, allocate: Callable[[int], torch.Tensor] | None = None) -> None:
-        self.pin = pin
-        # how a new buffer is made (None: torch.empty, pinned if ``pin``); RawCudaTransport may pass write-combined
-        self.allocate = allocate
-        self._free: dict[int, list[tuple[torch.Tensor, object]]] = defaultdict(list)
-        self._classes: list[int] = []  # sorted keys of _free
-        self._routed_free: dict[str, list[tuple[torch.Tensor, object]]] = defaultdict(list)
-        self._routed_cap: dict[str, int] = {}  # routed key -> the capacity its buffers get
-        self._routed_largest: dict[str, int] = {}  # routed key -> the largest request seen
-        self._routed_owner: dict[int, str] = {}  # data_ptr of a routed buffer -> its key
-        self._routed_grew = False  # a routed capacity grew since the last settle()
-        self._retired: list[tuple[torch.Tensor, object]] = []  # replaced buffers an H2D may still read
-        self.allocations = 0
-        self.allocated_bytes = 0
-
-    def acquire(self, nbytes: int, routed: str | None = None) -> tuple[torch.Tensor, object]:
-        """A buffer for ``nbytes`` and the event its next writer waits on (``routed``: see the class)."""
-        buf, event = self.acquire_base(nbytes, routed)
-        return (buf if buf.numel() == nbytes else buf[:nbytes]), event
-
-    def acquire_base(self, nbytes: int, routed: str | None = None) -> tuple[torch.Tensor, object]:
-        """:meth:`acquire` without the slice: the whole buffer, at least ``nbytes`` long (raw copies need only its
-        address, and a slice is one more tensor op per storage on the hot path)."""
-        if routed is not None:
-            buf, event = self._acquire_routed(routed, nbytes)
-        else:
-            cap = size_class(nbytes)
-            free = self._free.get(cap)
-            if not free:
-                free = None
-                i = bisect.bisect_right(self._classes, cap)
-                while i < len(self._classes) and self._classes[i] <= cap * self.MAX_OVERSIZE:
-                    if self._free[self._classes[i]]:
-                        free = self._free[self._classes[i]]
-                        break
-                    i += 1
-            buf, event = free.pop() if free else (self._allocate(cap, None), None)
-        return buf, event
-
-    def _acquire_routed(self, key: str, nbytes: int) -> tuple[torch.Tensor, object]:
-        if nbytes > self._routed_largest.get(key, 0):
-            self._routed_largest[key] = nbytes
-        free = self._routed_free[key]
-        if free and free[-1][0].numel() >= nbytes:  # after the first step every buffer of the key fits
-            return free.pop()
-        fits = [i for i, (buf, _) in enumerate(free) if buf.numel() >= nbytes]
-        if fits:
-            return free.pop(min(fits, key=lambda i: free[i][0].numel()))
-        cap = self._routed_cap.get(key, 0)
-        if nbytes > cap:
-            self._routed_cap[key] = cap = self._with_headroom(nbytes)
-            self._routed_grew = True
-        return self._allocate(cap, key), None
-
-    def _with_headroom(self, nbytes: int) -> int:
-        return size_class(int(nbytes * (1 + self.ROUTED_HEADROOM)))
-
-    def _allocate(self, cap: int, routed: str | None) -> torch.Tensor:
-        self.allocations += 1
-        self.allocated_bytes += cap
-        if self.allocate is not None:
-            buf = self.allocate(cap)
-        else:
-            buf = torch.empty(cap, dtype=torch.uint8, pin_memory=self.pin)
-        if routed is not None:
-            self._routed_owner[buf.data_ptr()] = routed
-        return buf
-
-    def release(self, buf: torch.Tensor, last_read_event: object) -> None:
-        base = buf if buf._base is None else buf._base
-        key = self._routed_owner.get(base.data_ptr()) if self._routed_owner else None
-        if key is not None:
-            self._routed_free[key].append((base, last_read_event))
-            return
-        cls = base.numel()
-        if cls not in self._free:
-            bisect.insort(self._classes, cls)
-        self._free[cls].append((base, last_read_event))
-
-    def settle(self) -> None:
-        """End of a step (every buffer is back): after a step in which a routed capacity grew (the first, then
-        rarely), raise it to cover the largest request seen and replace the key's smaller buffers.
-
-        The replacements count as that step's allocations. A replaced buffer may still be read by its last
-        H2D: it is kept (retired) until that copy's event has completed, checked without blocking here.
-        """
-        self._retired = [(b, e) for b, e in self._retired if e is not None and not e.query()]
-        if not self._routed_grew:
-            return
-        self._routed_grew = False
-        for key, free in self._routed_free.items():
-            cap = self._routed_cap[key] = max(self._routed_cap.get(key, 0),
-                                              self._with_headroom(self._routed_largest.get(key, 0)))
-            for i, (buf, event) in enumerate(free):
-                if buf.numel() < cap:
-                    del self._routed_owner[buf.data_ptr()]
-                    self.allocated_bytes -= buf.numel()
-                    self._retired.append((buf, event))
-                    free[i] = (self._allocate(cap, key), None)
-
-    def clear(self) -> None:
-        """Forget every buffer (callers synchronize the copy streams first)."""
-        self._free.clear()
-        self._classes.clear()
-        self._routed_free.clear()
-        self._routed_cap.clear()
-        self._routed_largest.clear()
-        self._routed_owner.clear()
-        self._routed_grew = False
-        self._retired.clear()
 
 
 class Transport:

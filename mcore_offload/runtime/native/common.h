@@ -50,7 +50,7 @@ int add_runtime(PyObject* summary, int64_t ns);
 // getattr(obj, name, None) without raising (a new reference, or nullptr with an error set)
 PyObject* lookup_attr(PyObject* obj, PyObject* name);
 
-// What the pack hook returns for an eligible tensor (handler.SavedRef's fields, read and written by the handler)
+// What the pack hook returns for an eligible tensor (saved.SavedRef's fields, read and written by the handler)
 struct SavedRef {
   PyObject_HEAD
   PyObject* tensor;

@@ -1,6 +1,7 @@
 // The copy-out and copy helpers of the native runtime (see __init__.py for why and how this is built).
 //
-// Each does what its Python counterpart in runtime/handler.py or runtime/transport.py does, for the common case:
+// Each does what its Python counterpart in runtime/handler.py, runtime/saved.py or runtime/transport.py does, for the
+// common case:
 //
 //   copy_out    handler.flush for a step that neither audits nor probes (auto's first steps): the grouping by
 //               storage, the coverage and alias checks, one Entry per storage copied, its release callback (a weak
@@ -270,7 +271,7 @@ PyObject* module_empty_storages(PyObject*, PyObject* args) {
 PyObject* module_storages_of(PyObject*, PyObject* groups) { return storages_of(groups); }
 
 // ------------------------------------------------------------------------------------------------------ copy_out
-// handler._covers: whether the distinct byte ranges the refs' views start at cover ``need`` bytes (-1: error)
+// saved.covers: whether the distinct byte ranges the refs' views start at cover ``need`` bytes (-1: error)
 int covers(PyObject* refs, double need) {
   std::vector<std::pair<int64_t, int64_t>> seen;
   double covered = 0;
@@ -295,7 +296,7 @@ int covers(PyObject* refs, double need) {
   return 0;
 }
 
-// handler._held_by_other_than_one: whether a tensor other than the one saved view (and its base) holds the
+// saved.held_by_other_than_one: whether a tensor other than the one saved view (and its base) holds the
 // storage. The same counts: each threshold is the Python one less the references that code's own locals and
 // getrefcount's argument add, plus the one this function holds. -1: error
 int held_by_other_than_one(PyObject* st, PyObject* ref) {
@@ -385,7 +386,7 @@ int make_entries(PyObject* handler, PyObject* live, const std::vector<ToCopy>& t
 }
 
 // copy_out(handler, groups, held_by_other_than_many, routed_points, min_coverage): handler.flush's work after it
-// took the pending groups (see the file comment). held_by_other_than_many: handler._held_by_other_than_many, for a
+// took the pending groups (see the file comment). held_by_other_than_many: saved.held_by_other_than_many, for a
 // storage several saved views share (the C++ check covers the one-view case)
 PyObject* module_copy_out(PyObject*, PyObject* args) {
   HANDLE_TH_ERRORS
@@ -541,7 +542,7 @@ PyMethodDef copy_path_methods[] = {
     {"copy_out", module_copy_out, METH_VARARGS,
      "copy_out(handler, groups, held_by_other_than_many, routed_points, min_coverage): handler.flush's work"},
     {"held_by_other_than_one", module_held_by_other_than_one, METH_VARARGS,
-     "held_by_other_than_one(storage, ref): handler._held_by_other_than_one"},
+     "held_by_other_than_one(storage, ref): saved.held_by_other_than_one"},
     {"copy_burst", module_copy_burst, METH_VARARGS,
      "copy_burst(memcpy_address, dsts, srcs, sizes, kind, stream): the first CUDA error, or 0"},
     {"empty_storages", module_empty_storages, METH_VARARGS, "empty_storages(sizes, device_index)"},

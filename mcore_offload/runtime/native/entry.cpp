@@ -1,6 +1,6 @@
 // The two object types of the C++ copy-out (copy_path.cpp), see __init__.py for why and how this is built:
 //
-//   Entry     handler.Entry: one offloaded storage, with the same attributes and initial values
+//   Entry     saved.Entry: one offloaded storage, with the same attributes and initial values
 //   Released  handler._released_callback: the weak reference callback of one offloaded storage
 
 #include "common.h"
@@ -9,7 +9,7 @@ namespace mco {
 namespace {
 
 // --------------------------------------------------------------------------------------------------------- Entry
-// handler.Entry: one offloaded storage. Every field is a Python object, read and written by the Python handler.
+// saved.Entry: one offloaded storage. Every field is a Python object, read and written by the Python handler.
 struct Entry {
   PyObject_HEAD
   PyObject* point;
@@ -59,7 +59,7 @@ PyTypeObject EntryType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
 }  // namespace
 
-// Entry(point, nbytes, host, d2h_event, device_ptr=0), as handler.Entry (the same initial values)
+// Entry(point, nbytes, host, d2h_event, device_ptr=0), as saved.Entry (the same initial values)
 PyObject* new_entry(PyObject* point, PyObject* nbytes, PyObject* host, PyObject* d2h_event, PyObject* device_ptr) {
   PyObject* zero = PyLong_FromLong(0);
   if (zero == nullptr) return nullptr;
@@ -180,7 +180,7 @@ bool entry_types_ready(PyObject* module) {
   EntryType.tp_name = "mcore_offload_native.Entry";
   EntryType.tp_basicsize = sizeof(Entry);
   EntryType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC;
-  EntryType.tp_doc = "One offloaded storage (see handler.Entry).";
+  EntryType.tp_doc = "One offloaded storage (see saved.Entry).";
   EntryType.tp_new = entry_new;
   EntryType.tp_dealloc = reinterpret_cast<destructor>(entry_dealloc);
   EntryType.tp_traverse = reinterpret_cast<traverseproc>(entry_traverse);

@@ -1,9 +1,10 @@
 // The saved-tensor hooks of an offload point, in C++ (see __init__.py for why and how this is built), and the module.
 //
-// Three types, each doing exactly what its Python counterpart in runtime/handler.py or runtime/points.py does for
-// the common case, and handing every other case to that Python code, so that the two paths cannot disagree:
+// Three types, each doing exactly what its Python counterpart in runtime/handler.py, runtime/saved.py or
+// runtime/points.py does for the common case, and handing every other case to that Python code, so that the two paths
+// cannot disagree:
 //
-//   SavedRef  what the pack hook returns for an eligible tensor (handler.SavedRef's fields, read and written by the
+//   SavedRef  what the pack hook returns for an eligible tensor (saved.SavedRef's fields, read and written by the
 //             Python handler at flush time)
 //   Packer    the pack hook of one offload block: points._OffloadBlock's closure + ChunkOffloadHandler.tensor_push
 //             + ineligible_reason. A tensor that is not exactly a torch.Tensor goes to tensor_push.
@@ -145,7 +146,7 @@ PyObject* new_saved_ref(PyObject* tensor, PyObject* group, PyObject* point) {
   return reinterpret_cast<PyObject*>(ref);
 }
 
-// SavedRef(tensor, group, point), as handler.SavedRef
+// SavedRef(tensor, group, point), as saved.SavedRef
 PyObject* saved_ref_new(PyTypeObject*, PyObject* args, PyObject* kwargs) {
   static const char* names[] = {"tensor", "group", "point", nullptr};
   PyObject *tensor, *group, *point;
@@ -539,7 +540,7 @@ void fill_types() {
   SavedRefType.tp_name = "mcore_offload_native.SavedRef";
   SavedRefType.tp_basicsize = sizeof(SavedRef);
   SavedRefType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC;
-  SavedRefType.tp_doc = "What the pack hook returns for an eligible tensor (see handler.SavedRef).";
+  SavedRefType.tp_doc = "What the pack hook returns for an eligible tensor (see saved.SavedRef).";
   SavedRefType.tp_new = saved_ref_new;
   SavedRefType.tp_dealloc = reinterpret_cast<destructor>(saved_ref_dealloc);
   SavedRefType.tp_traverse = reinterpret_cast<traverseproc>(saved_ref_traverse);
