@@ -340,6 +340,49 @@ def test_prefetch_mode_sets_when_the_layer_below_comes_back_with_equal_values(mo
     assert {(mb, kept) for mb, layer, kept, _ in seen} == {(0, False), (1, True)}
 
 
+@pytest.mark.parametrize("mode", ["layer", "late"])
+def test_a_late_reload_gives_each_group_its_own_done_event_and_wait(monkeypatch, mode, hook_impl):
+    """Two groups a layer (``qkv_linear`` and ``attn_proj``, not chained). A late reload of the layer below starts
+    right before that layer's backward: it comes in one part per group, so the first group's backward waits for its
+    own copies only (its entries carry an earlier burst number than the second group's). Ahead of time (``layer``)
+    a layer still comes back as one part. Same values either way."""
+    from mcore_offload.runtime.handler import ChunkOffloadHandler
+
+    names = ["qkv_linear", "attn_proj"]
+    base, _ = _run([], layers=4, steps=2, microbatches=1)
+    manager_module.reset()
+    monkeypatch.setenv("MCORE_OFFLOAD_PREFETCH", mode)
+    parts: list[list[int] | None] = []
+    real_to_device = transport_module.Transport.to_device
+
+    def recorded(self, hosts, sizes_, after, device, parts_=None):
+        parts.append(parts_)
+        return real_to_device(self, hosts, sizes_, after, device, parts_)
+
+    first_wait: list[tuple[int, int]] = []  # at each layer's first group backward: (its burst, the layer's last)
+    real_commit = ChunkOffloadHandler.on_group_commit_backward
+
+    def commit_backward(self, group=None):
+        real_commit(self, group)
+        if group is not None and group.entries and group.name == "attn_proj" and group.layer > 1:
+            layer = [e for g in self.groups if g.layer == group.layer for e in g.entries]
+            first_wait.append((max(e.h2d_seq for e in group.entries), max(e.h2d_seq for e in layer)))
+
+    monkeypatch.setattr(transport_module.Transport, "to_device", recorded)
+    monkeypatch.setattr(ChunkOffloadHandler, "on_group_commit_backward", commit_backward)
+    got, _ = _run(names, layers=4, steps=2, microbatches=1)
+    for (l0, g0), (l1, g1) in zip(base, got):
+        assert all(torch.equal(a, b) for a, b in zip(l0, l1))
+        assert all(torch.equal(a, b) for a, b in zip(g0, g1))
+    last = get_summary().last_step
+    assert last.total("reloaded") == last.total("offloaded") > 0
+    split = [p for p in parts if p and len(p) == 2]
+    if mode == "late":
+        assert split and first_wait and all(own < layer_last for own, layer_last in first_wait)
+    else:
+        assert not split
+
+
 def test_a_bad_prefetch_value_is_one_clear_sentence(monkeypatch):
     monkeypatch.setenv("MCORE_OFFLOAD_PREFETCH", "early")
     with pytest.raises(ValueError, match=r"MCORE_OFFLOAD_PREFETCH='early' is not one of layer, tail, late; unset it"):

@@ -319,10 +319,12 @@ class ChunkOffloadHandler(HandlerBase):
             return
         late = self._late(group.layer)
         reach = group.layer if late else group.layer - 1
-        needed = self._on_host_down_to(group, reach)
-        if not needed:
+        by_group = self._on_host_down_to(group, reach)
+        if not by_group:
             return
-        runs = [needed]  # one per layer, each with its own done event: a layer waits for its own copies only
+        # A late reload runs just before its first group's backward: each group gets its own done event, so that
+        # backward waits for its own copies only. Ahead of time, one per layer (one event less to record).
+        runs = by_group if late else [[e for run in by_group for e in run]]
         k = self.manager.reload_layers
         if k > 1 and self.reload_bursts and not late:
             layer = reach
@@ -359,23 +361,27 @@ class ChunkOffloadHandler(HandlerBase):
         last = self.groups[-1]
         return layer == last.layer and not last.kept_on_device
 
-    def _on_host_down_to(self, group: Group, reach: int) -> list[Entry]:
-        """The entries still only on the host of the groups before ``group``, back to layer ``reach``."""
-        needed: list[Entry] = []
+    def _on_host_down_to(self, group: Group, reach: int) -> list[list[Entry]]:
+        """The entries still only on the host of the groups before ``group``, back to layer ``reach``: one list per
+        group that has any, in backward order."""
+        needed: list[list[Entry]] = []
         for prev in reversed(self.groups[: group.index]):
             if prev.layer < reach:
                 break
             if not prev.done:
-                needed.extend(e for e in prev.entries if e.device_storage is None and e.host is not None)
+                run = [e for e in prev.entries if e.device_storage is None and e.host is not None]
+                if run:
+                    needed.append(run)
         return needed
 
     def _prefetch_layer_below(self, group: Group) -> None:
         """The layer's first group is done (a late prefetch, see :meth:`_late`): its storages go as the layer
-        below's come back."""
-        needed = self._on_host_down_to(group, self.groups[group.index - 1].layer)
-        if needed:
+        below's come back, one done event per group. The layer below's backward starts right away, so its first
+        group (a MoE layer's experts) waits only for its own copies, and the rest arrive behind that backward."""
+        by_group = self._on_host_down_to(group, self.groups[group.index - 1].layer)
+        if by_group:
             self.reload_bursts += 1
-            self._reload(needed)
+            self._reload(*by_group)
 
     def bulk_reload_group(self, group_to_reload: Any) -> None:
         """TE's name: start the reload of one group."""
