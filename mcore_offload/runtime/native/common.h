@@ -1,6 +1,7 @@
-// Declarations shared by the native runtime's translation units: hooks.cpp (the saved-tensor hook types and the
-// module), copy_path.cpp (the copy-out and copy helpers), entry.cpp (the copy-out's object types) and reload.cpp (the
-// reload's bookkeeping). See __init__.py for why and how this is built.
+// Declarations shared by the native runtime's translation units: module.cpp (the module, the interned names and the
+// helpers below), hooks.cpp (the saved-tensor hook types), copy_path.cpp (the copy-out and copy helpers), entry.cpp
+// (the copy-out's object types) and reload.cpp (the reload's bookkeeping). See __init__.py for why and how this is
+// built.
 #pragma once
 
 #include <Python.h>
@@ -22,7 +23,7 @@ namespace mco {
 extern PyObject* g_tensor_type;
 extern PyObject* g_parameter_type;
 
-// interned attribute names (hooks.cpp: intern_all)
+// interned attribute names (module.cpp: intern_all)
 extern PyObject* s_finished;
 extern PyObject* s_parameters;
 extern PyObject* s_users;
@@ -41,6 +42,13 @@ extern PyObject* s_h2d_seq;
 extern PyObject* s_point;
 extern PyObject* s_off_device;
 extern PyObject* s_reload_seq;
+
+// a Python string to intern into a global slot (module.cpp: intern_names, each text into its slot; false: error set)
+struct NameSlot {
+  PyObject** slot;
+  const char* text;
+};
+bool intern_names(const NameSlot* names, size_t count);
 
 int64_t now_ns();
 // obj.<name> += delta (-1 on a Python error): the counters the Python code keeps (runtime_ns, parameters, users)
@@ -79,6 +87,9 @@ class PointTotals {
  private:
   std::vector<std::pair<PyObject*, long long>> totals_;
 };
+
+// hooks.cpp: SavedRef, Packer and Unpacker readied and added to the module (false: error set)
+bool hook_types_ready(PyObject* module);
 
 // copy_path.cpp and reload.cpp: their module functions
 extern PyMethodDef copy_path_methods[];

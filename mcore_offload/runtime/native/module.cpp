@@ -1,0 +1,140 @@
+// The native runtime's module: its init, the objects every translation unit shares (the interned attribute names,
+// the exact types the pack hook tests for) and small helpers. The types and functions are in hooks.cpp,
+// copy_path.cpp, entry.cpp and reload.cpp. See __init__.py for why and how this is built.
+
+#include "common.h"
+
+namespace mco {
+
+// set once by init(): torch.Tensor and torch.nn.Parameter (exact-type checks, as the Python hooks make)
+PyObject* g_tensor_type = nullptr;
+PyObject* g_parameter_type = nullptr;
+
+// interned attribute names
+PyObject* s_finished;
+PyObject* s_parameters;
+PyObject* s_users;
+PyObject* s_runtime_ns;
+PyObject* s_device_storage;
+PyObject* s_compute_waited;
+PyObject* s_rebuild;
+PyObject* s_tensor_push;
+PyObject* s_tensor_pop;
+PyObject* s_offloading_activation;
+PyObject* s_host;
+PyObject* s_nbytes;
+PyObject* s_d2h_event;
+PyObject* s_h2d_event;
+PyObject* s_h2d_seq;
+PyObject* s_point;
+PyObject* s_off_device;
+PyObject* s_reload_seq;
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+int add_to_attr(PyObject* obj, PyObject* name, int64_t delta) {
+  PyObject* cur = PyObject_GetAttr(obj, name);
+  if (cur == nullptr) return -1;
+  PyObject* step = PyLong_FromLongLong(delta);
+  PyObject* sum = step ? PyNumber_Add(cur, step) : nullptr;
+  Py_DECREF(cur);
+  Py_XDECREF(step);
+  if (sum == nullptr) return -1;
+  int rc = PyObject_SetAttr(obj, name, sum);
+  Py_DECREF(sum);
+  return rc;
+}
+
+int add_runtime(PyObject* summary, int64_t ns) { return add_to_attr(summary, s_runtime_ns, ns); }
+
+PyObject* lookup_attr(PyObject* obj, PyObject* name) {
+  PyObject* out = nullptr;
+#if PY_VERSION_HEX >= 0x030D0000
+  if (PyObject_GetOptionalAttr(obj, name, &out) < 0) return nullptr;
+#else
+  if (_PyObject_LookupAttr(obj, name, &out) < 0) return nullptr;
+#endif
+  if (out == nullptr) {
+    Py_INCREF(Py_None);
+    return Py_None;
+  }
+  return out;
+}
+
+// ------------------------------------------------------------------------------------------------------ module
+// init(tensor_type, parameter_type): the exact types the pack hook tests for
+PyObject* module_init(PyObject*, PyObject* args) {
+  PyObject *tensor_type, *parameter_type;
+  if (!PyArg_ParseTuple(args, "OO", &tensor_type, &parameter_type)) return nullptr;
+  if (!PyType_Check(tensor_type) || !PyType_Check(parameter_type)) {
+    PyErr_SetString(PyExc_TypeError, "init(torch.Tensor, torch.nn.Parameter) takes two types");
+    return nullptr;
+  }
+  Py_INCREF(tensor_type);
+  Py_INCREF(parameter_type);
+  Py_XSETREF(g_tensor_type, tensor_type);
+  Py_XSETREF(g_parameter_type, parameter_type);
+  Py_RETURN_NONE;
+}
+
+PyMethodDef module_methods[] = {
+    {"init", module_init, METH_VARARGS, "init(torch.Tensor, torch.nn.Parameter)"},
+    {nullptr, nullptr, 0, nullptr}};
+
+#define MCO_STR_(x) #x
+#define MCO_STR(x) MCO_STR_(x)
+#define MCO_CONCAT_(a, b) a##b
+#define MCO_CONCAT(a, b) MCO_CONCAT_(a, b)
+
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, MCO_STR(TORCH_EXTENSION_NAME),
+                          "mcore-offload's saved-tensor hooks in C++", -1, module_methods};
+
+bool intern_names(const NameSlot* names, size_t count) {
+  for (size_t i = 0; i < count; ++i) {
+    *names[i].slot = PyUnicode_InternFromString(names[i].text);
+    if (*names[i].slot == nullptr) return false;
+  }
+  return true;
+}
+
+bool intern_all() {
+  static const NameSlot names[] = {{&s_finished, "finished"},
+                                   {&s_parameters, "parameters"},
+                                   {&s_users, "users"},
+                                   {&s_runtime_ns, "runtime_ns"},
+                                   {&s_device_storage, "device_storage"},
+                                   {&s_compute_waited, "compute_waited"},
+                                   {&s_rebuild, "_rebuild"},
+                                   {&s_tensor_push, "tensor_push"},
+                                   {&s_tensor_pop, "tensor_pop"},
+                                   {&s_offloading_activation, "offloading_activation"},
+                                   {&s_host, "host"},
+                                   {&s_nbytes, "nbytes"},
+                                   {&s_d2h_event, "d2h_event"},
+                                   {&s_h2d_event, "h2d_event"},
+                                   {&s_h2d_seq, "h2d_seq"},
+                                   {&s_point, "point"},
+                                   {&s_off_device, "off_device"},
+                                   {&s_reload_seq, "reload_seq"}};
+  return intern_names(names, sizeof(names) / sizeof(names[0]));
+}
+
+}  // namespace mco
+
+using namespace mco;
+
+PyMODINIT_FUNC MCO_CONCAT(PyInit_, TORCH_EXTENSION_NAME)(void) {
+  if (!intern_all()) return nullptr;
+  PyObject* m = PyModule_Create(&module_def);
+  if (m == nullptr) return nullptr;
+  if (!hook_types_ready(m) || PyModule_AddFunctions(m, copy_path_methods) < 0 ||
+      PyModule_AddFunctions(m, reload_methods) < 0 || !entry_types_ready(m)) {
+    Py_DECREF(m);
+    return nullptr;
+  }
+  return m;
+}
