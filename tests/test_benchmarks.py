@@ -184,6 +184,22 @@ def test_trace_analysis_compute_stream_is_not_a_waiting_nccl_stream():
     assert cs["stream"] == "7" and cs["busy_ms"] == pytest.approx(0.25)
 
 
+def test_cpu_transport_glue_times_both_bursts_on_the_stub_runtime(tmp_path):
+    """The stub CUDA runtime answers every call the raw transport makes: both bursts run and are timed."""
+    import shutil
+
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler for the stub runtime")
+    import cpu_transport_glue
+
+    out = tmp_path / "glue.json"
+    assert cpu_transport_glue.main(["--calls", "20", "--storages", "3", "--json-out", str(out)]) == 0
+    row = json.loads(out.read_text())
+    assert row["storages"] == 3 and set(row["us_per_burst"]) == {
+        "to_host (C++ copy loop)", "to_device (Python allocations)", "one ctypes call"}
+    assert all(v > 0 for v in row["us_per_burst"].values())
+
+
 @pytest.mark.multiproc
 def test_pretrain_gpt_evaluation_between_steps_offloads_nothing(tmp_path):
     """--eval-interval 1: a forward-only evaluation after every step; training still offloads and matches."""

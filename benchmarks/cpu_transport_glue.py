@@ -1,0 +1,128 @@
+"""CPU microbenchmark: the Python around the CUDA calls of one copy burst (``RawCudaTransport.to_host`` and
+``to_device``), with the CUDA runtime replaced by a stub library whose entry points return at once.
+
+On the GPU host a burst of four storages costs 114-139 µs of host time inside a launch-bound step (session 21's
+breakdown of D-dense ``core_attn``). This measures how much of that is the transport's own Python (pool, events,
+loops, telemetry): what moving the burst into C++ could save at most. The rest is the CUDA calls themselves (about
+eight a burst: the completion query of ``release_copied``, a fence record and wait, one copy per storage, the done
+event). ``to_device`` runs with the Python allocations and copy loop here (its C++ allocations need a GPU), so it
+is an upper bound of its glue. Needs a C compiler (``cc``) for the stub:
+
+    python benchmarks/cpu_transport_glue.py [--storages 4] [--calls 5000] [--json-out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import ctypes
+import json
+import logging
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from mcore_offload.runtime import cudart  # noqa: E402
+from mcore_offload.runtime import transport as transport_module  # noqa: E402
+from mcore_offload.runtime.host_pool import HostBufferPool  # noqa: E402
+from mcore_offload.runtime.native import load_native  # noqa: E402
+from mcore_offload.runtime.telemetry import LinkTelemetry  # noqa: E402
+
+logger = logging.getLogger("cpu_transport_glue")
+
+# Every entry point CudaRuntime binds, each returning success at once (events get distinct handles).
+STUB_SOURCE = """
+int cudaEventRecord(void* e, void* s) { return 0; }
+int cudaStreamWaitEvent(void* s, void* e, unsigned f) { return 0; }
+int cudaEventQuery(void* e) { return 0; }
+int cudaMemcpyAsync(void* d, const void* s, unsigned long n, int k, void* st) { return 0; }
+int cudaEventCreateWithFlags(void** e, unsigned f) { static long n = 1; *e = (void*)(n++); return 0; }
+int cudaEventSynchronize(void* e) { return 0; }
+int cudaEventElapsedTime(float* ms, void* a, void* b) { *ms = 0.1f; return 0; }
+int cudaHostAlloc(void** p, unsigned long n, unsigned f) { return 1; }
+int cudaFreeHost(void* p) { return 0; }
+const char* cudaGetErrorString(int e) { return "stub"; }
+int cudaRuntimeGetVersion(int* v) { *v = 12000; return 0; }
+"""
+
+
+def stub_runtime(workdir: Path) -> cudart.CudaRuntime:
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise SystemExit("cpu_transport_glue.py needs a C compiler (cc or gcc) to build its stub CUDA runtime: "
+                         "install one, or run it where one exists")
+    src, lib = workdir / "stub.c", workdir / "libstubcudart.so"
+    src.write_text(STUB_SOURCE)
+    subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
+    return cudart.CudaRuntime(ctypes.CDLL(str(lib)))
+
+
+def stub_transport(rt: cudart.CudaRuntime) -> transport_module.RawCudaTransport:
+    """A RawCudaTransport on the stub runtime, built without CUDA streams (its constructor needs a GPU)."""
+    t = object.__new__(transport_module.RawCudaTransport)
+    transport_module.Transport.__init__(t)
+    t.pool = HostBufferPool(pin=False)
+    t.device, t.device_index = torch.device("cpu"), 0
+    t.rt, t._memcpy = rt, rt.memcpy
+    t._timed_events = cudart.EventPool(rt, 0, timed=True)
+    pool = t._timed_events
+    t._timed_events.get = lambda: cudart.RawEvent(rt, pool.free.pop() if pool.free else 7, pool.free)
+    t.telemetry = LinkTelemetry(t._timed_events.get, every=4)
+    t.telemetry.timing = False  # an untimed step, as three in four are
+    t._d2h_fence, t._h2d_fence = cudart.RawEvent(rt, 8, []), cudart.RawEvent(rt, 9, [])
+    t._d2h_handle, t._h2d_handle = 1, 2
+    t._held, t._streams = collections.deque(), {}
+    t._compute_handle = lambda: 3
+    return t
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--storages", type=int, default=4, help="storages per burst")
+    p.add_argument("--calls", type=int, default=5000)
+    p.add_argument("--json-out", default=None)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    with tempfile.TemporaryDirectory() as tmp:
+        t = stub_transport(stub_runtime(Path(tmp)))
+        n, size = args.storages, 1 << 16
+        storages = [torch.empty(size, dtype=torch.uint8).untyped_storage() for _ in range(n)]
+        keep = [torch.empty(1) for _ in range(n)]
+        hosts = [torch.empty(size, dtype=torch.uint8) for _ in range(n)]
+        d2h_done = cudart.RawEvent(t.rt, 10, [])
+        results = {}
+        for label, native in (("to_host (C++ copy loop)", load_native()), ("to_device (Python allocations)", None)):
+            t.native = native
+            for _pass in range(2):  # the first pass warms up
+                t0 = time.perf_counter_ns()
+                for _ in range(args.calls):
+                    if label.startswith("to_host"):
+                        bufs, done = t.to_host(storages, keep, [None] * n)
+                        t._held.clear()
+                        for b in bufs:
+                            t.pool.release(b, done)
+                    else:
+                        t.to_device(hosts, [size] * n, [d2h_done] * n, t.device)
+                us = (time.perf_counter_ns() - t0) / args.calls / 1e3
+            results[label] = round(us, 2)
+            logger.info("%-32s %6.2f µs a burst of %d storages (stub CUDA calls)", label, us, n)
+        t0 = time.perf_counter_ns()
+        for _ in range(args.calls):
+            t.rt.event_record(5, 6)
+        results["one ctypes call"] = round((time.perf_counter_ns() - t0) / args.calls / 1e3, 3)
+        logger.info("%-32s %6.3f µs", "one ctypes call", results["one ctypes call"])
+    row = {"storages": n, "calls": args.calls, "us_per_burst": results, "torch": torch.__version__,
+           "python": sys.version.split()[0], "native_loop": load_native() is not None}
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(row, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
