@@ -1,6 +1,7 @@
 // Declarations shared by the native runtime's translation units: module.cpp (the module, the interned names and the
-// helpers below), hooks.cpp (the saved-tensor hook types), copy_path.cpp (the copy-out and copy helpers), entry.cpp
-// (the copy-out's object types) and reload.cpp (the reload's bookkeeping). See __init__.py for why and how this is
+// helpers below), hooks.cpp (the saved-tensor hook types), copy_path.cpp (the copy-out), copy_calls.cpp (the
+// transport's copy loop and reload allocations), entry.cpp (the copy-out's object types) and reload.cpp (the reload's
+// bookkeeping). See __init__.py for why and how this is
 // built.
 #pragma once
 
@@ -73,7 +74,7 @@ struct SavedRef {
 extern PyTypeObject SavedRefType;
 
 // Byte totals per offload point over one burst, reported as summary.add(point, counter, total) per point: the
-// counters of manager.on_offloaded / on_reloaded for a whole burst (the same totals). copy_path.cpp
+// counters of manager.on_offloaded / on_reloaded for a whole burst (the same totals). module.cpp
 class PointTotals {
  public:
   PointTotals() = default;
@@ -91,8 +92,9 @@ class PointTotals {
 // hooks.cpp: SavedRef, Packer and Unpacker readied and added to the module (false: error set)
 bool hook_types_ready(PyObject* module);
 
-// copy_path.cpp and reload.cpp: their module functions
+// copy_path.cpp, copy_calls.cpp and reload.cpp: their module functions
 extern PyMethodDef copy_path_methods[];
+extern PyMethodDef copy_call_methods[];
 extern PyMethodDef reload_methods[];
 
 // entry.cpp: Entry(point, nbytes, host, d2h_event, device_ptr) and Released(handler, ptr, entry) as new references

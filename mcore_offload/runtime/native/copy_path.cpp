@@ -1,15 +1,17 @@
-// The copy-out and copy helpers of the native runtime (see __init__.py for why and how this is built).
+// The copy-out of the native runtime (see __init__.py for why and how this is built).
 //
 // Each does what its Python counterpart in runtime/handler.py, runtime/saved.py or runtime/transport.py does, for the
 // common case:
 //
 //   copy_out    handler.flush for a step that neither audits nor probes (auto's first steps): the grouping by
 //               storage, the coverage and alias checks, one Entry per storage copied, its release callback (a weak
-//               reference to the storage, as handler._released_callback; both types in entry.cpp), the counters, and the per-view
-//               bookkeeping (attach). The copies themselves are the transport's to_host, called from here.
+//               reference to the storage, as handler._released_callback; both types in entry.cpp), the counters,
+//               and the per-view bookkeeping (attach). The copies themselves are the transport's to_host, called
+//               from here.
 //   storages_of, attach   handler.flush's grouping of saved refs by storage, and handler._attach (the Python flush
 //               uses them where copy_out does not run)
-//   copy_burst, empty_storages   RawCudaTransport's per-copy loop and its reload allocations (per storage)
+//
+// The transport's copy loop and reload allocations are in copy_calls.cpp.
 
 #include "common.h"
 
@@ -37,8 +39,9 @@ PyObject* ref_tensor(PyObject* ref) {
   return t;
 }
 
-// handler.flush's grouping (the module's storages_of(groups)). {storage address: (storage, [refs])} over the refs still holding
-// their tensor, in the order their storages first appear; one storage object per storage, as the Python loop keeps
+// handler.flush's grouping (the module's storages_of(groups)). {storage address: (storage, [refs])} over the refs still
+// holding their tensor, in the order their storages first appear; one storage object per storage, as the Python loop
+// keeps
 PyObject* storages_of(PyObject* groups) {
   HANDLE_TH_ERRORS
   PyObject* out = PyDict_New();
@@ -190,81 +193,6 @@ PyObject* module_attach(PyObject*, PyObject* args) {
   if (!PyArg_ParseTuple(args, "OO", &entry, &refs)) return nullptr;
   if (attach_all(entry, refs) < 0) return nullptr;
   Py_RETURN_NONE;
-  END_HANDLE_TH_ERRORS
-}
-
-// --------------------------------------------------------------------------------------------- copy helpers
-// The address a copy reads or writes, a tensor's data pointer or a storage's, into ``out`` (false: error set)
-bool address_of(PyObject* obj, void*& out) {
-  if (THPVariable_Check(obj)) {
-    out = THPVariable_Unpack(obj).data_ptr();
-  } else if (THPStorage_Check(obj)) {
-    out = THPStorage_Unpack(obj).mutable_data();
-  } else {
-    PyErr_SetString(PyExc_TypeError, "copy_burst copies between tensors and untyped storages only");
-    return false;
-  }
-  return true;
-}
-
-using MemcpyAsync = int (*)(void*, const void*, size_t, int, void*);
-
-// copy_burst(memcpy_address, dsts, srcs, sizes, kind, stream): RawCudaTransport._copy_burst's loop, one
-// cudaMemcpyAsync (called through the address of the runtime PyTorch has loaded) per copy; the first CUDA error
-// code, or 0. Stops at the first error, as the Python loop does.
-PyObject* module_copy_burst(PyObject*, PyObject* args) {
-  HANDLE_TH_ERRORS
-  unsigned long long fn, stream;
-  PyObject *dsts, *srcs, *sizes;
-  int kind;
-  if (!PyArg_ParseTuple(args, "KOOOiK", &fn, &dsts, &srcs, &sizes, &kind, &stream)) return nullptr;
-  if (!PyList_Check(dsts) || !PyList_Check(srcs) || !PyList_Check(sizes) ||
-      PyList_GET_SIZE(dsts) != PyList_GET_SIZE(srcs) || PyList_GET_SIZE(dsts) != PyList_GET_SIZE(sizes) || fn == 0) {
-    PyErr_SetString(PyExc_ValueError, "copy_burst takes a function address and three lists of one length");
-    return nullptr;
-  }
-  MemcpyAsync memcpy_async = reinterpret_cast<MemcpyAsync>(static_cast<uintptr_t>(fn));
-  void* raw_stream = reinterpret_cast<void*>(static_cast<uintptr_t>(stream));
-  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(dsts); ++i) {
-    void *dst, *src;
-    if (!address_of(PyList_GET_ITEM(dsts, i), dst) || !address_of(PyList_GET_ITEM(srcs, i), src)) return nullptr;
-    unsigned long long n = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(sizes, i));
-    if (n == static_cast<unsigned long long>(-1) && PyErr_Occurred()) return nullptr;
-    int err = memcpy_async(dst, src, static_cast<size_t>(n), kind, raw_stream);
-    if (err != 0) return PyLong_FromLong(err);
-  }
-  return PyLong_FromLong(0);
-  END_HANDLE_TH_ERRORS
-}
-
-// empty_storages(sizes, device_index): one fresh byte storage per size on that CUDA device (-1: the CPU), from the
-// caching allocator on the current stream: RawCudaTransport.to_device's torch.empty + untyped_storage per reload
-PyObject* module_empty_storages(PyObject*, PyObject* args) {
-  HANDLE_TH_ERRORS
-  PyObject* sizes;
-  int device_index;
-  if (!PyArg_ParseTuple(args, "Oi", &sizes, &device_index)) return nullptr;
-  PyObject* seq = PySequence_Fast(sizes, "empty_storages takes a list of sizes");
-  if (seq == nullptr) return nullptr;
-  at::TensorOptions options = at::TensorOptions().dtype(at::kByte).device(
-      device_index < 0 ? c10::Device(c10::kCPU) : c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device_index)));
-  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-  PyObject* out = PyList_New(n);
-  for (Py_ssize_t i = 0; out != nullptr && i < n; ++i) {
-    long long bytes = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
-    if (bytes == -1 && PyErr_Occurred()) {
-      Py_CLEAR(out);
-      break;
-    }
-    PyObject* st = THPStorage_Wrap(at::empty({bytes}, options).storage());
-    if (st == nullptr) {
-      Py_CLEAR(out);
-      break;
-    }
-    PyList_SET_ITEM(out, i, st);
-  }
-  Py_DECREF(seq);
-  return out;
   END_HANDLE_TH_ERRORS
 }
 
@@ -504,38 +432,6 @@ PyObject* module_copy_out(PyObject*, PyObject* args) {
 
 }  // namespace
 
-PointTotals::~PointTotals() {
-  for (auto& pn : totals_) Py_DECREF(pn.first);
-}
-
-void PointTotals::add(PyObject* point, long long n) {
-  for (auto& pn : totals_) {
-    int same = pn.first == point ? 1 : PyObject_RichCompareBool(pn.first, point, Py_EQ);
-    if (same < 0) PyErr_Clear();  // points are strings: a comparison that fails counts as another point
-    if (same > 0) {
-      pn.second += n;
-      return;
-    }
-  }
-  Py_INCREF(point);
-  totals_.emplace_back(point, n);
-}
-
-int PointTotals::report(PyObject* summary, const char* counter) const {
-  for (const auto& pn : totals_) {
-    PyObject* r = PyObject_CallMethod(summary, "add", "OsL", pn.first, counter, pn.second);
-    if (r == nullptr) return -1;
-    Py_DECREF(r);
-  }
-  return 0;
-}
-
-long long PointTotals::total() const {
-  long long sum = 0;
-  for (const auto& pn : totals_) sum += pn.second;
-  return sum;
-}
-
 PyMethodDef copy_path_methods[] = {
     {"storages_of", module_storages_of, METH_O, "storages_of(groups): handler.flush's grouping by storage"},
     {"attach", module_attach, METH_VARARGS, "attach(entry, refs): handler._attach"},
@@ -543,9 +439,6 @@ PyMethodDef copy_path_methods[] = {
      "copy_out(handler, groups, held_by_other_than_many, routed_points, min_coverage): handler.flush's work"},
     {"held_by_other_than_one", module_held_by_other_than_one, METH_VARARGS,
      "held_by_other_than_one(storage, ref): saved.held_by_other_than_one"},
-    {"copy_burst", module_copy_burst, METH_VARARGS,
-     "copy_burst(memcpy_address, dsts, srcs, sizes, kind, stream): the first CUDA error, or 0"},
-    {"empty_storages", module_empty_storages, METH_VARARGS, "empty_storages(sizes, device_index)"},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace mco

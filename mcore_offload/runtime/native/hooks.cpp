@@ -11,9 +11,9 @@
 //   Unpacker  the unpack hook of one handler: ChunkOffloadHandler.tensor_pop. Only a view whose entry is back on
 //             the device and already waited for is rebuilt here; the rest goes to the handler's _rebuild.
 //
-// The copy-out and copy helpers are in copy_path.cpp and entry.cpp, the reload's bookkeeping in reload.cpp, the
-// module and what they share in module.cpp. Every hook adds its host time to summary.runtime_ns, as the Python hooks
-// do.
+// The copy-out is in copy_path.cpp and entry.cpp, the transport's copy loop in copy_calls.cpp, the reload's
+// bookkeeping in reload.cpp, the module and what they share in module.cpp. Every hook adds its host time to
+// summary.runtime_ns, as the Python hooks do.
 
 #include "common.h"
 

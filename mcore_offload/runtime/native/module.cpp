@@ -1,6 +1,6 @@
 // The native runtime's module: its init, the objects every translation unit shares (the interned attribute names,
-// the exact types the pack hook tests for) and small helpers. The types and functions are in hooks.cpp,
-// copy_path.cpp, entry.cpp and reload.cpp. See __init__.py for why and how this is built.
+// the exact types the pack hook tests for) and small helpers (PointTotals among them). The types and functions are in
+// hooks.cpp, copy_path.cpp, copy_calls.cpp, entry.cpp and reload.cpp. See __init__.py for why and how this is built.
 
 #include "common.h"
 
@@ -123,6 +123,38 @@ bool intern_all() {
   return intern_names(names, sizeof(names) / sizeof(names[0]));
 }
 
+PointTotals::~PointTotals() {
+  for (auto& pn : totals_) Py_DECREF(pn.first);
+}
+
+void PointTotals::add(PyObject* point, long long n) {
+  for (auto& pn : totals_) {
+    int same = pn.first == point ? 1 : PyObject_RichCompareBool(pn.first, point, Py_EQ);
+    if (same < 0) PyErr_Clear();  // points are strings: a comparison that fails counts as another point
+    if (same > 0) {
+      pn.second += n;
+      return;
+    }
+  }
+  Py_INCREF(point);
+  totals_.emplace_back(point, n);
+}
+
+int PointTotals::report(PyObject* summary, const char* counter) const {
+  for (const auto& pn : totals_) {
+    PyObject* r = PyObject_CallMethod(summary, "add", "OsL", pn.first, counter, pn.second);
+    if (r == nullptr) return -1;
+    Py_DECREF(r);
+  }
+  return 0;
+}
+
+long long PointTotals::total() const {
+  long long sum = 0;
+  for (const auto& pn : totals_) sum += pn.second;
+  return sum;
+}
+
 }  // namespace mco
 
 using namespace mco;
@@ -132,7 +164,8 @@ PyMODINIT_FUNC MCO_CONCAT(PyInit_, TORCH_EXTENSION_NAME)(void) {
   PyObject* m = PyModule_Create(&module_def);
   if (m == nullptr) return nullptr;
   if (!hook_types_ready(m) || PyModule_AddFunctions(m, copy_path_methods) < 0 ||
-      PyModule_AddFunctions(m, reload_methods) < 0 || !entry_types_ready(m)) {
+      PyModule_AddFunctions(m, copy_call_methods) < 0 || PyModule_AddFunctions(m, reload_methods) < 0 ||
+      !entry_types_ready(m)) {
     Py_DECREF(m);
     return nullptr;
   }
