@@ -36,12 +36,20 @@ from mcore_offload.runtime.telemetry import LinkTelemetry  # noqa: E402
 
 logger = logging.getLogger("cpu_transport_glue")
 
-# Every entry point CudaRuntime binds, each returning success at once (events get distinct handles).
+# Every entry point CudaRuntime binds, each returning success at once (events get distinct handles; every event is
+# complete when queried). Built with STUB_REAL_COPY, the copies are real (synchronous memcpy): tests run the raw
+# transport end to end on CPU tensors with it (tests/test_raw_transport_stub.py).
 STUB_SOURCE = """
+#include <string.h>
 int cudaEventRecord(void* e, void* s) { return 0; }
 int cudaStreamWaitEvent(void* s, void* e, unsigned f) { return 0; }
 int cudaEventQuery(void* e) { return 0; }
-int cudaMemcpyAsync(void* d, const void* s, unsigned long n, int k, void* st) { return 0; }
+int cudaMemcpyAsync(void* d, const void* s, unsigned long n, int k, void* st) {
+#ifdef STUB_REAL_COPY
+  memcpy(d, s, n);
+#endif
+  return 0;
+}
 int cudaEventCreateWithFlags(void** e, unsigned f) { static long n = 1; *e = (void*)(n++); return 0; }
 int cudaEventSynchronize(void* e) { return 0; }
 int cudaEventElapsedTime(float* ms, void* a, void* b) { *ms = 0.1f; return 0; }
@@ -52,23 +60,38 @@ int cudaRuntimeGetVersion(int* v) { *v = 12000; return 0; }
 """
 
 
-def stub_runtime(workdir: Path) -> cudart.CudaRuntime:
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+def compiler() -> str | None:
+    return shutil.which("cc") or shutil.which("gcc")
+
+
+def stub_runtime(workdir: Path, real_copies: bool = False) -> cudart.CudaRuntime:
+    """The stub CUDA runtime, compiled into ``workdir`` (``real_copies``: cudaMemcpyAsync copies, synchronously)."""
+    cc = compiler()
+    if cc is None:
         raise SystemExit("cpu_transport_glue.py needs a C compiler (cc or gcc) to build its stub CUDA runtime: "
                          "install one, or run it where one exists")
-    src, lib = workdir / "stub.c", workdir / "libstubcudart.so"
+    src, lib = workdir / "stub.c", workdir / ("libstubcudart_copy.so" if real_copies else "libstubcudart.so")
     src.write_text(STUB_SOURCE)
-    subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
+    subprocess.run([cc, "-O2", "-shared", "-fPIC", *(["-DSTUB_REAL_COPY"] if real_copies else []), "-o", str(lib),
+                    str(src)], check=True)
     return cudart.CudaRuntime(ctypes.CDLL(str(lib)))
 
 
-def stub_transport(rt: cudart.CudaRuntime) -> transport_module.RawCudaTransport:
-    """A RawCudaTransport on the stub runtime, built without CUDA streams (its constructor needs a GPU)."""
+class _NoStream:
+    """Stands for the side streams, which the stub transport never creates: nothing to wait for."""
+
+    def synchronize(self) -> None:
+        return None
+
+
+def stub_transport(rt: cudart.CudaRuntime, device_index: int = 0) -> transport_module.RawCudaTransport:
+    """A RawCudaTransport over CPU memory on the stub runtime, built without CUDA streams (its constructor needs a
+    GPU). ``device_index`` -1: the C++ reload allocations make CPU storages (0 would ask for CUDA ones)."""
     t = object.__new__(transport_module.RawCudaTransport)
     transport_module.Transport.__init__(t)
     t.pool = HostBufferPool(pin=False)
-    t.device, t.device_index = torch.device("cpu"), 0
+    t.device, t.device_index = torch.device("cpu"), device_index
+    t.d2h_stream = t.h2d_stream = _NoStream()
     t.rt, t._memcpy = rt, rt.memcpy
     t._timed_events = cudart.EventPool(rt, 0, timed=True)
     pool = t._timed_events

@@ -1,0 +1,87 @@
+"""The raw CUDA transport (``RawCudaTransport``: fences, waits, copy loops, done events, telemetry marks), run end to
+end on the CPU: a stub CUDA runtime whose cudaMemcpyAsync copies synchronously and whose events are complete when
+queried (``benchmarks/cpu_transport_glue.py``) stands for the GPU. Values and counters must be those of the CPU
+transport, under the C++ and the Python runtime; the GPU tests check the same on the real runtime."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_runtime_unit import Toy, cfg, train_step
+
+from mcore_offload.runtime import manager as manager_module
+from mcore_offload.runtime import transport as transport_module
+from mcore_offload.runtime.native import load_native
+from mcore_offload.summary import get_summary
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import cpu_transport_glue  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("hook_impl")
+
+
+@pytest.fixture(scope="module")
+def copying_runtime(tmp_path_factory):
+    if cpu_transport_glue.compiler() is None:
+        pytest.skip("no C compiler for the stub CUDA runtime")
+    return cpu_transport_glue.stub_runtime(tmp_path_factory.mktemp("stub"), real_copies=True)
+
+
+def _train(names, steps=3, microbatches=2, layers=4, transport=None):
+    """Losses and gradients per step; with ``transport``, it serves the CPU device instead of the CPU transport."""
+    manager_module.reset()
+    if transport is not None:
+        transport_module._TRANSPORTS[torch.device("cpu")] = transport
+    model = Toy(cfg(*names), layers=layers)
+    out = []
+    for step in range(steps):
+        model.zero_grad()
+        inputs = [torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * step + i))
+                  for i in range(microbatches)]
+        out.append((train_step(model, inputs), [p.grad.clone() for p in model.parameters()]))
+    return out
+
+
+def _counters():
+    return [{k: s.total(k) for k in ("offloaded", "reloaded", "released_in_forward", "kept_on_device")}
+            for s in get_summary().steps]
+
+
+@pytest.mark.parametrize("prefetch", ["layer", "late"])
+@pytest.mark.parametrize("names", [["core_attn"], ["qkv_linear", "attn_proj"],
+                                   ["qkv_linear", "core_attn", "attn_proj"]])
+def test_the_raw_transport_on_the_stub_runtime_moves_the_same_bytes_with_equal_values(
+        monkeypatch, copying_runtime, names, prefetch):
+    monkeypatch.setenv("MCORE_OFFLOAD_PREFETCH", prefetch)
+    base = _train([])
+    plain = _train(names)
+    plain_counters = _counters()
+    raw = cpu_transport_glue.stub_transport(copying_runtime, device_index=-1)
+    raw.native = load_native()  # the C++ copy loop and reload allocations where the hook_impl fixture builds them
+    raw.telemetry.timing = True  # steps 0-3 are timed, as on the GPU
+    bursts = {"to_host": 0, "to_device": 0, "parts": 0}
+    real_copy_burst = transport_module.RawCudaTransport._copy_burst
+
+    def counted(self, dsts, srcs, sizes, kind, stream):
+        bursts["parts"] += 1
+        bursts["to_host" if stream == self._d2h_handle else "to_device"] += 1
+        return real_copy_burst(self, dsts, srcs, sizes, kind, stream)
+
+    monkeypatch.setattr(transport_module.RawCudaTransport, "_copy_burst", counted)
+    got = _train(names, transport=raw)
+    assert transport_module._TRANSPORTS[torch.device("cpu")] is raw
+    for (l0, g0), (l1, g1), (l2, g2) in zip(base, plain, got):
+        assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(l0, l1, l2))
+        assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(g0, g1, g2))
+    assert _counters() == plain_counters and plain_counters[-1]["reloaded"] > 0
+    assert bursts["to_host"] > 0 and bursts["to_device"] > 0
+    summary = get_summary()
+    summary.resolve_link(wait=True)
+    # every step was timed here (the stub's clock says 0.1 ms a span): the marks and done events paired up
+    for s in summary.steps:
+        assert s.link is not None and s.link.d2h_bytes > 0 and s.link.h2d_bytes == s.link.d2h_bytes
+        assert s.link.d2h_GBps is not None and s.link.h2d_GBps is not None and s.link.stall_ms is not None
+    assert summary.host_resident_bytes == 0 and not raw._held
