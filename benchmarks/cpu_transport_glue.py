@@ -101,6 +101,7 @@ def stub_transport(rt: cudart.CudaRuntime, device_index: int = 0) -> transport_m
     t._d2h_fence, t._h2d_fence = cudart.RawEvent(rt, 8, []), cudart.RawEvent(rt, 9, [])
     t._d2h_handle, t._h2d_handle = 1, 2
     t._held, t._streams = collections.deque(), {}
+    t.coalesce, t._slices_left, t._last_h2d_done = transport_module.coalesce_reloads(), {}, None
     t._compute_handle = lambda: 3
     return t
 

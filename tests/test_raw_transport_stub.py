@@ -50,25 +50,37 @@ def _counters():
             for s in get_summary().steps]
 
 
+@pytest.mark.parametrize("coalesce", ["0", "1"])
 @pytest.mark.parametrize("prefetch", ["layer", "late"])
 @pytest.mark.parametrize("names", [["core_attn"], ["qkv_linear", "attn_proj"],
                                    ["qkv_linear", "core_attn", "attn_proj"]])
 def test_the_raw_transport_on_the_stub_runtime_moves_the_same_bytes_with_equal_values(
-        monkeypatch, copying_runtime, names, prefetch):
+        monkeypatch, copying_runtime, names, prefetch, coalesce):
+    """``coalesce`` (MCORE_OFFLOAD_COALESCE_RELOADS, C++ runtime only): one host buffer per copy-out burst, one reload
+    copy per group into one device block; the same values, counters and buffers, with fewer reload copies."""
     monkeypatch.setenv("MCORE_OFFLOAD_PREFETCH", prefetch)
+    monkeypatch.setenv("MCORE_OFFLOAD_COALESCE_RELOADS", coalesce)
     base = _train([])
     plain = _train(names)
     plain_counters = _counters()
     raw = cpu_transport_glue.stub_transport(copying_runtime, device_index=-1)
     raw.native = load_native()  # the C++ copy loop and reload allocations where the hook_impl fixture builds them
     raw.telemetry.timing = True  # steps 0-3 are timed, as on the GPU
-    bursts = {"to_host": 0, "to_device": 0, "parts": 0}
+    bursts = {"to_host": 0, "to_device": 0, "h2d_copies": 0, "reloaded_storages": 0}
     real_copy_burst = transport_module.RawCudaTransport._copy_burst
+    real_to_device = transport_module.RawCudaTransport.to_device
 
     def counted(self, dsts, srcs, sizes, kind, stream):
-        bursts["parts"] += 1
         bursts["to_host" if stream == self._d2h_handle else "to_device"] += 1
+        if stream != self._d2h_handle:
+            bursts["h2d_copies"] += len(dsts)
         return real_copy_burst(self, dsts, srcs, sizes, kind, stream)
+
+    def reloads(self, hosts, sizes, after, device, parts=None):
+        bursts["reloaded_storages"] += len(hosts)
+        return real_to_device(self, hosts, sizes, after, device, parts)
+
+    monkeypatch.setattr(transport_module.RawCudaTransport, "to_device", reloads)
 
     monkeypatch.setattr(transport_module.RawCudaTransport, "_copy_burst", counted)
     got = _train(names, transport=raw)
@@ -84,4 +96,22 @@ def test_the_raw_transport_on_the_stub_runtime_moves_the_same_bytes_with_equal_v
     for s in summary.steps:
         assert s.link is not None and s.link.d2h_bytes > 0 and s.link.h2d_bytes == s.link.d2h_bytes
         assert s.link.d2h_GBps is not None and s.link.h2d_GBps is not None and s.link.stall_ms is not None
-    assert summary.host_resident_bytes == 0 and not raw._held
+    assert summary.host_resident_bytes == 0 and not raw._held and not raw._slices_left
+    coalesced = coalesce == "1" and raw.native is not None
+    # buffers reused, none left out of the pool; coalesced, a burst's buffer follows the flush bursts, which take
+    # one layer each in a chunk's first forward and two from its second (MCORE_OFFLOAD_FLUSH_LAYERS): step 1 may
+    # allocate the larger ones
+    allocations = [s.host_buffer_allocations for s in summary.steps]
+    free = [b.data_ptr() for bufs in raw.pool._free.values() for b, _ in bufs]
+    assert len(free) == len(set(free)) == allocations[0] + allocations[1]  # each buffer back once, all of them
+    assert allocations[2:] == [0] and (coalesced or allocations[1] == 0)
+    # a group that saves several storages comes back in one copy; qkv_linear's and attn_proj's groups save one each
+    several = names != ["qkv_linear", "attn_proj"]
+    assert (bursts["h2d_copies"] < bursts["reloaded_storages"]) == (coalesced and several)
+
+
+def test_a_bad_coalesce_value_is_one_clear_sentence(monkeypatch):
+    monkeypatch.setenv("MCORE_OFFLOAD_COALESCE_RELOADS", "yes")
+    with pytest.raises(ValueError, match=r"MCORE_OFFLOAD_COALESCE_RELOADS='yes' is not 0 or 1: set it to 1 for one "
+                                         r"reload copy per group, or unset it"):
+        transport_module.coalesce_reloads()

@@ -13,6 +13,7 @@ from collections import deque
 import torch
 
 from mcore_offload.config import choice_env
+from mcore_offload.runtime.coalesce import CoalescedReloads, coalesce_reloads
 from mcore_offload.runtime.cudart import (
     DEVICE_TO_HOST,
     HOST_ALLOC_WRITE_COMBINED,
@@ -290,7 +291,7 @@ class CudaTransport(Transport):
         self._held.clear()
 
 
-class RawCudaTransport(CudaTransport):
+class RawCudaTransport(CoalescedReloads, CudaTransport):
     """:class:`CudaTransport` with every copy, event record and cross-stream wait a direct call into the CUDA
     runtime PyTorch has loaded (:class:`~mcore_offload.runtime.cudart.CudaRuntime`), on raw stream handles.
 
@@ -312,6 +313,8 @@ class RawCudaTransport(CudaTransport):
         self._h2d_handle = self.h2d_stream.cuda_stream
         # the C++ copy loop and reload allocations (runtime/native), or None: the Python ones (MCORE_OFFLOAD_NATIVE)
         self.native = load_native()
+        self.coalesce = coalesce_reloads()
+        self._slices_left: dict[int, int] = {}  # coalesced host buffer (address) -> its slices not yet released
         if runtime.memcpy_batch is not None and not self._batch_copy_works():
             runtime.memcpy_batch = None
         if host_memory_kind() == "write-combined":
@@ -346,21 +349,23 @@ class RawCudaTransport(CudaTransport):
         fence = self._d2h_fence.handle
         # The saved tensors were produced on the compute stream: copy only after it reached this point.
         err = record(fence, self._compute_handle()) or stream_wait(d2h, fence, 0)
-        bufs = []
+        sizes = [storage.nbytes() for storage in storages]
+        nbytes = sum(sizes)
+        if self.coalesce and self.native is not None:
+            bufs, events = self._acquire_coalesced(sizes, routed)
+        else:
+            acquire = self.pool.acquire_base
+            bufs, events = [], []
+            for n, r in zip(sizes, routed):
+                buf, event = acquire(n, r)
+                bufs.append(buf)
+                events.append(event)
         waited = None
-        nbytes = 0
-        sizes = []
-        acquire = self.pool.acquire_base
-        for storage, r in zip(storages, routed):
-            n = storage.nbytes()
-            sizes.append(n)
-            nbytes += n
-            buf, event = acquire(n, r)
+        for event in events:
             if event is not None and event is not waited:
                 # A reused buffer's previous H2D must have read it before we overwrite it.
                 err = err or stream_wait(d2h, event.handle, 0)
                 waited = event
-            bufs.append(buf)
         if err:
             rt.fail("cudaEventRecord/cudaStreamWaitEvent", err)
         start = self.telemetry.mark(d2h)
@@ -375,8 +380,12 @@ class RawCudaTransport(CudaTransport):
         rt = self.rt
         record, stream_wait = rt.event_record, rt.stream_wait
         h2d = self._h2d_handle
+        ends = sorted(_part_ends(parts, len(hosts))) if parts else [len(hosts)]
         # Allocated on the compute stream, which is the stream that consumes and later frees them.
-        if self.native is not None:
+        copies = None  # per part: the (device blocks, host sources, sizes) of its copies, where coalesced
+        if self.coalesce and self.native is not None:
+            out, copies = self._coalesced_layout(hosts, sizes, ends)
+        elif self.native is not None:
             out = self.native.empty_storages(sizes, self.device_index)
         else:
             out = [torch.empty(n, dtype=torch.uint8, device=device).untyped_storage() for n in sizes]
@@ -393,14 +402,15 @@ class RawCudaTransport(CudaTransport):
         if err:
             rt.fail("cudaEventRecord/cudaStreamWaitEvent", err)
         start = self.telemetry.mark(h2d)
-        if not parts:
-            events = [self._copy_burst(out, hosts, sizes, HOST_TO_DEVICE, h2d)]
-        else:
-            events, first = [], 0
-            for end in sorted(_part_ends(parts, len(out))):
+        events, first = [], 0
+        for p, end in enumerate(ends):
+            if copies is not None:
+                events.append(self._copy_burst(*copies[p], HOST_TO_DEVICE, h2d))
+            else:
                 events.append(self._copy_burst(out[first:end], hosts[first:end], sizes[first:end], HOST_TO_DEVICE,
                                                h2d))
-                first = end
+            first = end
+        self._last_h2d_done = events[-1]
         self.telemetry.span("h2d", start, events[-1], sum(sizes), keep_end=True)
         return out, events
 
@@ -439,8 +449,6 @@ class RawCudaTransport(CudaTransport):
 
 
 HOST_MEMORY_KINDS = ("pinned", "write-combined")
-
-
 def host_memory_kind() -> str:
     """``MCORE_OFFLOAD_HOST_MEMORY``: how host buffers are allocated with raw copies (default ``pinned``)."""
     return choice_env("MCORE_OFFLOAD_HOST_MEMORY", "pinned", HOST_MEMORY_KINDS,

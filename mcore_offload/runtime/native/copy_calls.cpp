@@ -4,6 +4,8 @@
 //   copy_burst       RawCudaTransport._copy_burst's loop: one cudaMemcpyAsync per copy, called at the address of the
 //                    CUDA runtime PyTorch has loaded
 //   empty_storages   RawCudaTransport.to_device's reload allocations (a fresh byte storage per size)
+//   region_storages  byte storages over parts of one block, each keeping the block alive: a coalesced reload
+//                    (MCORE_OFFLOAD_COALESCE_RELOADS) copies a group's storages into one block with one copy
 
 #include "common.h"
 
@@ -84,12 +86,57 @@ PyObject* module_empty_storages(PyObject*, PyObject* args) {
   END_HANDLE_TH_ERRORS
 }
 
+// region_storages(block, offsets, sizes): one byte storage per (offset, size) over the memory of ``block`` (an
+// untyped storage), not resizable. Each holds a reference to the block's storage, so the block goes back to its
+// allocator when its last region dies (a reloaded group's storages die together, at the group's end).
+PyObject* module_region_storages(PyObject*, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject *block_obj, *offsets, *sizes;
+  if (!PyArg_ParseTuple(args, "OOO", &block_obj, &offsets, &sizes)) return nullptr;
+  if (!THPStorage_Check(block_obj) || !PyList_Check(offsets) || !PyList_Check(sizes) ||
+      PyList_GET_SIZE(offsets) != PyList_GET_SIZE(sizes)) {
+    PyErr_SetString(PyExc_TypeError, "region_storages takes an untyped storage and two lists of one length");
+    return nullptr;
+  }
+  const c10::Storage& block = THPStorage_Unpack(block_obj);
+  char* base = static_cast<char*>(block.mutable_data());
+  const int64_t capacity = static_cast<int64_t>(block.nbytes());
+  Py_ssize_t n = PyList_GET_SIZE(offsets);
+  PyObject* out = PyList_New(n);
+  if (out == nullptr) return nullptr;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    long long off = PyLong_AsLongLong(PyList_GET_ITEM(offsets, i));
+    long long size = PyLong_AsLongLong(PyList_GET_ITEM(sizes, i));
+    if (PyErr_Occurred()) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    if (off < 0 || size < 0 || off + size > capacity) {
+      Py_DECREF(out);
+      PyErr_SetString(PyExc_ValueError, "region_storages: a region lies outside the block");
+      return nullptr;
+    }
+    auto* keep = new c10::Storage(block);  // released by the region's deleter
+    c10::DataPtr data(base + off, keep, [](void* ctx) { delete static_cast<c10::Storage*>(ctx); }, block.device());
+    c10::Storage region(c10::Storage::use_byte_size_t(), static_cast<size_t>(size), std::move(data), nullptr, false);
+    PyObject* st = THPStorage_Wrap(std::move(region));
+    if (st == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    PyList_SET_ITEM(out, i, st);
+  }
+  return out;
+  END_HANDLE_TH_ERRORS
+}
+
 }  // namespace
 
 PyMethodDef copy_call_methods[] = {
     {"copy_burst", module_copy_burst, METH_VARARGS,
      "copy_burst(memcpy_address, dsts, srcs, sizes, kind, stream): the first CUDA error, or 0"},
     {"empty_storages", module_empty_storages, METH_VARARGS, "empty_storages(sizes, device_index)"},
+    {"region_storages", module_region_storages, METH_VARARGS, "region_storages(block, offsets, sizes)"},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace mco
