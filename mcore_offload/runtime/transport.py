@@ -298,7 +298,9 @@ class RawCudaTransport(CoalescedReloads, CudaTransport):
     The same hand-offs, each guarded by an event: the side stream waits for the compute stream before reading a
     saved storage or writing a new block; an H2D waits for the D2H that filled its buffer; a reused host buffer
     waits for the H2D that last read it; the compute stream waits for a reload before its first reader. Host
-    buffers travel whole (no slice tensor): a burst needs only addresses and sizes.
+    buffers travel whole (no slice tensor): a burst needs only addresses and sizes. With
+    ``MCORE_OFFLOAD_COALESCE_RELOADS=1`` a burst shares one buffer, in slices, and a group comes back with one copy
+    (:class:`~mcore_offload.runtime.coalesce.CoalescedReloads`).
     """
 
     def __init__(self, device: torch.device, runtime: CudaRuntime) -> None:
