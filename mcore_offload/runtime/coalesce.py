@@ -20,6 +20,12 @@ from mcore_offload.config import choice_env
 COALESCE_ALIGN = 512
 
 
+def slice_span(nbytes: int) -> int:
+    """The room a storage of ``nbytes`` takes in a coalesced host buffer: the copy-out lays slices out with it and the
+    reload finds runs of consecutive slices with it, so both sides must use this one rule."""
+    return -(-nbytes // COALESCE_ALIGN) * COALESCE_ALIGN
+
+
 def coalesce_reloads() -> bool:
     """``MCORE_OFFLOAD_COALESCE_RELOADS=1``: one host buffer per copy-out burst and one reload copy per group
     (:meth:`RawCudaTransport._coalesced_layout`); default 0 (one buffer and one copy per storage)."""
@@ -50,7 +56,7 @@ class CoalescedReloads:
             offsets, total = [], 0
             for i in fixed:
                 offsets.append(total)
-                total += -(-sizes[i] // COALESCE_ALIGN) * COALESCE_ALIGN
+                total += slice_span(sizes[i])
             base, events[fixed[0]] = acquire(total, None)
             for i, off in zip(fixed, offsets):
                 bufs[i] = base[off:off + sizes[i]]
@@ -70,7 +76,7 @@ class CoalescedReloads:
             i = first
             while i < end:
                 j, ptr = i + 1, hosts[i].data_ptr()
-                while j < end and hosts[j].data_ptr() == ptr + -(-sizes[j - 1] // COALESCE_ALIGN) * COALESCE_ALIGN:
+                while j < end and hosts[j].data_ptr() == ptr + slice_span(sizes[j - 1]):
                     ptr = hosts[j].data_ptr()
                     j += 1
                 runs.append((i, j))
