@@ -7,18 +7,8 @@ import logging
 import pytest
 
 from mcore_offload.config import validate_offload_modules
-from mcore_offload.runtime.auto import (
-    HOST_BUDGET,
-    JOINED_UNIT_COST,
-    PROBE_STEPS,
-    AutoPlanner,
-    ChunkMarks,
-    ChunkProfile,
-    HostCost,
-    choose,
-    host_cost,
-    parse_auto,
-)
+from mcore_offload.runtime.auto import PROBE_STEPS, AutoPlanner, ChunkMarks, parse_auto
+from mcore_offload.runtime.auto_choice import HOST_BUDGET, JOINED_UNIT_COST, ChunkProfile, HostCost, choose, host_cost
 from mcore_offload.runtime.manager import get_manager, reset
 from mcore_offload.summary import get_summary
 from tests.harness.gpt import build_dense_gpt, init_parallel, run_steps

@@ -29,7 +29,8 @@ from mcore_offload.config import (
     recompute_conflicts,
     selectively_recomputed,
 )
-from mcore_offload.runtime.auto import AUTO, AutoPlanner, Plan, clock_mark, elapsed_ms, parse_auto
+from mcore_offload.runtime.auto import AUTO, AutoPlanner, clock_mark, elapsed_ms, parse_auto
+from mcore_offload.runtime.auto_choice import Plan
 from mcore_offload.runtime.handler import ChunkOffloadHandler
 from mcore_offload.runtime.native import load_native
 from mcore_offload.runtime.saved import Entry, Group

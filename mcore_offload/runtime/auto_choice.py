@@ -1,0 +1,248 @@
+"""The choice behind ``offload_modules=["auto"]``: from what the probe steps measured (:class:`ChunkProfile`,
+:class:`HostCost`), pick the (chunk, layer, unit) to offload (:func:`choose`) and hold the result (:class:`Plan`).
+
+Pure functions of the measurements, with no clocks and no CUDA: the CPU tests drive them with synthetic profiles.
+How the measurements are taken, and when the plan starts, is :mod:`mcore_offload.runtime.auto`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Share of the measured link throughput the plan may use (the rest absorbs jitter).
+LINK_MARGIN = 0.9
+#: A memory target is met with this much to spare (the estimate of the peak is not exact).
+TARGET_MARGIN = 1.05
+#: Share of the plain step that exposed host time of the chosen groups may take (the issue's 2 % less the
+#: per-step costs every offloading step pays: chunk starts, the step end, points that stay off).
+HOST_BUDGET = 0.015
+#: Host time of a unit that joins a group already open in its layer (a chain, runtime/points.py), relative to
+#: a group of its own: its saved tensors and storages cost, the group's nodes, events and bursts do not
+#: (measured on A: core_attn 0.52 ms per group, the chained attention set 0.74 ms).
+JOINED_UNIT_COST = 0.4
+#: Units whose points chain into one group when both are chosen in a layer (runtime/points.py, CHAIN_NEXT).
+FAMILY: dict[tuple[str, ...], str] = {("qkv_linear",): "attention", ("core_attn", "attn_proj"): "attention",
+                                      ("expert_fc1",): "experts", ("moe_act",): "experts"}
+
+
+@dataclass
+class ChunkProfile:
+    """What the probe step measured for one model chunk (``vp_stage``), per layer (1-based)."""
+
+    layer_ms: dict[int, float] = field(default_factory=dict)  # forward time of each layer
+    tail_ms: float = 0.0  # from the last layer's start to the chunk's end (last layer + head)
+    unit_bytes: dict[tuple[int, tuple[str, ...]], int] = field(default_factory=dict)  # (layer, unit) -> bytes
+    live_at_peak: int = 1  # microbatches of this chunk in flight when the probe's peak was reached
+    # (layer, unit) whose groups stayed on the device (backward came before any flush: the chunk's last
+    # layer at PP=1). They cost no link time, and their backward is what starts the first prefetch.
+    kept: set[tuple[int, tuple[str, ...]]] = field(default_factory=set)
+    # (layer, unit) -> its bytes off the device when the probe's peak was reached, over all microbatches; None
+    # where the peak was not traced (the CPU): then a unit's saving is its bytes times live_at_peak
+    peak_bytes: dict[tuple[int, tuple[str, ...]], int] | None = None
+
+    def saving(self, layer: int, unit: tuple[str, ...], nbytes: int) -> int:
+        """What offloading ``unit`` in ``layer`` takes off this rank's peak (``nbytes``: one microbatch's)."""
+        if self.peak_bytes is None:
+            return nbytes * self.live_at_peak
+        return self.peak_bytes.get((layer, unit), 0)
+
+
+@dataclass
+class HostCost:
+    """What the probe step says about the runtime's host time (see the module docstring)."""
+
+    exposure: float  # share of host time that is step time (1: launch-bound, 0: the GPU's queue hides it)
+    group_ms: float  # host time of one group in one microbatch
+    budget_ms: float  # exposed host time per step the plan may spend
+    microbatches: dict[Any, int]  # forwards per step of each chunk
+    chaining: bool = True  # units of one family share a group (MCORE_OFFLOAD_CHAIN_POINTS)
+
+    def unit_ms(self, vp: Any, unit: tuple[str, ...], joined: bool) -> float:
+        """Exposed host time per step of offloading ``unit`` in one layer of chunk ``vp``."""
+        share = JOINED_UNIT_COST if joined and self.chaining else 1.0
+        return self.exposure * self.group_ms * share * self.microbatches.get(vp, 1)
+
+
+def _family(unit: tuple[str, ...]) -> str:
+    return FAMILY.get(unit, unit[0])
+
+
+def host_cost(runtime_ms: float, wall_ms: float, exposure: float | None, microbatches: dict[Any, int],
+              unit_layers: dict[Any, set[tuple[int, tuple[str, ...]]]], chaining: bool = True) -> HostCost | None:
+    """The probe's host figures as a :class:`HostCost` (None where no exposure could be measured: the CPU).
+
+    ``unit_layers``: per chunk, the (layer, unit) the probe offloaded or kept; the probe's host time is shared
+    out over them as groups (a unit joining its family's group in the same layer counts JOINED_UNIT_COST).
+    """
+    if exposure is None:
+        return None
+    groups = 0.0
+    for vp, units in unit_layers.items():
+        per_layer: dict[tuple[int, str], int] = defaultdict(int)
+        for layer, unit in units:
+            per_layer[(layer, _family(unit) if chaining else unit[0])] += 1
+        groups += microbatches.get(vp, 1) * sum(1 + JOINED_UNIT_COST * (n - 1) if chaining else n
+                                                for n in per_layer.values())
+    group_ms = runtime_ms / groups if groups else 0.0
+    plain_ms = max(wall_ms - exposure * runtime_ms, 0.0)
+    return HostCost(exposure, group_ms, HOST_BUDGET * plain_ms, dict(microbatches), chaining)
+
+
+@dataclass
+class Plan:
+    """The chosen (chunk, layer) -> points, and what the choice expects."""
+
+    points: dict[tuple[Any, int], frozenset[str]]
+    expected_saving_bytes: int
+    hidden: bool  # every chosen copy fits the simulated link (and the host budget)
+    link_GBps: float
+    note: str = ""
+    host: HostCost | None = None  # the host-time model the choice used (None: host time not counted)
+    host_ms: float = 0.0  # exposed host time per step the chosen units are expected to cost
+
+    def enabled(self, vp_stage: Any, layer: int, point: str) -> bool:
+        return point in self.points.get((vp_stage, layer), ())
+
+    def describe(self) -> str:
+        by_chunk: dict[Any, list[str]] = defaultdict(list)
+        for (vp, layer), pts in sorted(self.points.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
+            if pts:
+                by_chunk[vp].append(f"L{layer}:{'+'.join(sorted(pts))}")
+        chunks = "; ".join(f"chunk {vp}: {' '.join(v)}" for vp, v in by_chunk.items()) or "nothing"
+        host = "" if self.host is None else (
+            f", host time {self.host_ms:.1f} of {self.host.budget_ms:.1f} ms/step budget (exposure "
+            f"{self.host.exposure:.2f}, {self.host.group_ms:.2f} ms per group)")
+        return (f"{chunks} | expected peak saving {self.expected_saving_bytes / 2**30:.2f} GiB, link "
+                f"{self.link_GBps:.1f} GB/s{host}, copies {'hidden' if self.hidden else 'partly exposed'}"
+                + (f" ({self.note})" if self.note else ""))
+
+
+def _finish_times(profile: ChunkProfile, chosen: dict[int, int], rate_bpms: float) -> bool:
+    """Whether a FIFO copy queue, fed each layer's bytes when the next layer starts, keeps up.
+
+    Layer l's copies may start at the start of layer l+1 and must end by the start of layer l+2 (one
+    layer of lag; the last layers against the chunk's end plus one more layer's time).
+    """
+    layers = sorted(profile.layer_ms)
+    starts, t = {}, 0.0
+    for layer in layers:
+        starts[layer] = t
+        t += profile.layer_ms[layer]
+    end = t + profile.tail_ms
+    # after the chunk's end the last layer's copies get one more layer's time (or the tail's)
+    last_ms = profile.tail_ms or (profile.layer_ms[layers[-1]] if layers else 0.0)
+    busy_until = 0.0
+    for layer in layers:
+        nbytes = chosen.get(layer, 0)
+        if not nbytes:
+            continue
+        ready = starts.get(layer + 1, end)
+        deadline = starts.get(layer + 2, end if layer + 1 in starts else end + last_ms)
+        busy_until = max(busy_until, ready) + nbytes / rate_bpms
+        if busy_until > deadline:
+            return False
+    return True
+
+
+def _host_ms(host: HostCost | None, picked: list, profiles: dict[Any, ChunkProfile]) -> float:
+    """Exposed host time per step of ``picked`` units, with the kept units they bring along."""
+    if host is None or not picked:
+        return 0.0
+    seen: set[tuple[Any, int, str]] = set()
+    total = _kept_ms(host, profiles)
+    for _, vp, layer, unit in picked:
+        key = (vp, layer, _family(unit))
+        total += host.unit_ms(vp, unit, joined=key in seen)
+        seen.add(key)
+    return total
+
+
+def _kept_ms(host: HostCost, profiles: dict[Any, ChunkProfile]) -> float:
+    """A kept unit's group never copies, but its nodes and hooks run (they start the first prefetch)."""
+    return sum(host.unit_ms(vp, unit, joined=True) for vp, p in profiles.items() for _, unit in p.kept)
+
+
+def choose(profiles: dict[Any, ChunkProfile], link_GBps: float, need_bytes: int | None = None,
+           host: HostCost | None = None) -> Plan:
+    """Pick units per (chunk, layer); see the module docstring. ``need_bytes``: the peak saving to reach;
+    ``host``: the probe's host-time model (None: host time is not counted, as on the CPU)."""
+    rate = link_GBps * LINK_MARGIN * 1e6  # bytes per ms
+    # A unit that was back on the device (or not yet off it) when the probe's peak was reached saves nothing
+    # there: under pipeline parallelism, a chunk's last layer, reloaded as its backward starts.
+    remaining = [(nbytes, vp, layer, unit) for vp, p in profiles.items()
+                 for (layer, unit), nbytes in p.unit_bytes.items() if nbytes > 0 and p.saving(layer, unit, nbytes) > 0]
+    chosen: dict[Any, dict[int, int]] = {vp: {} for vp in profiles}
+    families: set[tuple[Any, int, str]] = set()
+    picked: list[tuple[int, Any, int, tuple[str, ...]]] = []
+    exposed: list[tuple[int, Any, int, tuple[str, ...]]] = []
+
+    def cost(item: tuple) -> float:
+        _, vp, layer, unit = item
+        return 0.0 if host is None else host.unit_ms(vp, unit, joined=(vp, layer, _family(unit)) in families)
+
+    def value(item: tuple) -> int:
+        nbytes, vp, layer, unit = item
+        return profiles[vp].saving(layer, unit, nbytes)
+
+    def rank(item: tuple) -> tuple:
+        # most peak bytes per exposed host ms first; then the larger saving; then the later layer (next to the
+        # chunk's turnaround, so that each chosen layer's backward prefetches the one before it)
+        c, v = cost(item), value(item)
+        return (v / c if c > 0 else float("inf"), v, item[2], str(item[1]))
+
+    spent = 0.0 if host is None else _kept_ms(host, profiles)  # the first pick brings the kept units along
+    while remaining:
+        item = max(remaining, key=rank)
+        remaining.remove(item)
+        nbytes, vp, layer, unit = item
+        trial = dict(chosen[vp])
+        trial[layer] = trial.get(layer, 0) + nbytes
+        c = cost(item)
+        if (host is None or spent + c <= host.budget_ms) and _finish_times(profiles[vp], trial, rate):
+            chosen[vp] = trial
+            picked.append(item)
+            families.add((vp, layer, _family(unit)))
+            spent += c
+        else:
+            exposed.append(item)
+
+    def saving(sel: list) -> int:
+        return sum(map(value, sel))
+
+    hidden, note = True, ""
+    if not picked and not exposed and any(p.unit_bytes for p in profiles.values()):
+        note = ("no offloaded group was off the device when the probe reached its peak: offloading would not "
+                "lower it")
+    if need_bytes is not None:
+        need = int(need_bytes * TARGET_MARGIN)
+        if need <= 0:
+            picked, note = [], "the peak is already under the target"
+        elif saving(picked) >= need:
+            kept: list = []
+            for item in picked:  # best first: the cheapest groups that reach the target
+                if saving(kept) >= need:
+                    break
+                kept.append(item)
+            picked = kept
+        else:
+            for item in exposed:
+                if saving(picked) >= need:
+                    break
+                picked.append(item)
+                hidden = False
+            if saving(picked) < need:
+                note = (f"target not reachable: offloading everything saves about "
+                        f"{saving(picked) / 2**30:.2f} GiB of the {need_bytes / 2**30:.2f} GiB needed")
+    elif host is not None and exposed and not picked:
+        note = "no unit fits the host-time budget: the step is launch-bound and offloading would cost step time"
+    points: dict[tuple[Any, int], set[str]] = defaultdict(set)
+    for _, vp, layer, unit in picked:
+        points[(vp, layer)].update(unit)
+    if picked:
+        for vp, p in profiles.items():
+            for layer, unit in p.kept:
+                points[(vp, layer)].update(unit)
+    return Plan({k: frozenset(v) for k, v in points.items()}, saving(picked), hidden, link_GBps, note, host,
+                _host_ms(host, picked, profiles))
