@@ -273,6 +273,54 @@ def test_paired_overhead_cancels_linear_drift_and_bounds_the_median():
     assert got["delta_peak_bytes"] == 500
 
 
+def _alternating_json(path, rank_overheads: dict[int, list[float]]) -> str:
+    """An alternating run's JSON as pretrain_gpt.py writes it (one warm-up step): per rank, plain steps at 100 ms
+    and each counted offloaded step ``1 + overhead`` times that."""
+    ranks = []
+    for rank, overheads in rank_overheads.items():
+        steps = [100.0, 100.0]  # step 0 (offloaded, warm-up) and step 1, the first counted (plain)
+        for o in overheads:
+            steps += [100.0 * (1 + o), 100.0]
+        ranks.append({"rank": rank, "step_ms": steps, "alternation": {"on_steps": [i % 2 == 0 for i in
+                                                                                   range(len(steps))]}})
+    path.write_text(json.dumps({"args": {"warmup_steps": 1}, "ranks": ranks}))
+    return str(path)
+
+
+def test_overhead_ratio_interval_and_verdicts(tmp_path):
+    """The ⅓-of-native line is judged on the ratio's own bootstrap interval: met, not met, or unresolved."""
+    from overhead_ratio import compare, run_pairs
+    from paired_steps import overhead_ratio_interval
+
+    ratio, lo, hi = overhead_ratio_interval([1.05] * 20, [1.30] * 20)
+    assert ratio == pytest.approx(1 / 6) and lo == pytest.approx(1 / 6) and hi == pytest.approx(1 / 6)
+    spread = [1.0 + 0.01 * i for i in range(21)]  # ours' median overhead 10 %, from 0 to 20 %
+    ratio, lo, hi = overhead_ratio_interval(spread, [1.30] * 21)
+    assert ratio == pytest.approx(1 / 3) and lo < ratio < hi
+    with pytest.raises(ValueError, match="means nothing"):
+        overhead_ratio_interval([1.05], [0.99, 1.0, 1.01])
+    with pytest.raises(ValueError, match="alternation pairs"):
+        overhead_ratio_interval([], [1.3])
+
+    wide = [0.01 * i for i in range(21)]  # median 10 %: a third of 30 %, the interval on both sides of it
+    ours = _alternating_json(tmp_path / "ours.json", {0: [0.05] * 15, 1: [0.12] * 15, 2: wide})
+    native = _alternating_json(tmp_path / "native.json", {0: [0.30] * 15, 1: [0.30] * 15, 2: [0.30] * 21})
+    assert len(run_pairs(ours)[0]) == 15
+    rows = {r["rank"]: r for r in compare([ours], [native], 1 / 3)}
+    assert rows[0]["verdict"] == "met" and rows[0]["ratio"] == pytest.approx(0.167, abs=1e-3)
+    assert rows[1]["verdict"] == "not met" and rows[1]["ratio"] == pytest.approx(0.4)
+    assert rows[2]["verdict"] == "unresolved" and rows[2]["ratio_ci95"][0] < 1 / 3 < rows[2]["ratio_ci95"][1]
+    # pooling a second run per side doubles the pairs; mixing ranks is refused
+    assert compare([ours, ours], [native], 1 / 3)[0]["pairs_ours"] == 30
+    one_rank = _alternating_json(tmp_path / "one.json", {0: [0.3] * 15})  # ranks 0 only, against 0-2
+    with pytest.raises(ValueError, match="different ranks"):
+        compare([ours], [one_rank], 1 / 3)
+    # a run without alternation data: one sentence naming the flag
+    (tmp_path / "plain.json").write_text(json.dumps({"args": {"warmup_steps": 1}, "ranks": [{"rank": 0}]}))
+    with pytest.raises(ValueError, match="--alternate-offload"):
+        run_pairs(str(tmp_path / "plain.json"))
+
+
 @pytest.mark.multiproc
 def test_pretrain_gpt_alternate_offload_pauses_every_odd_step_and_keeps_the_loss(tmp_path):
     base, ours = tiny_base_and_ours(tmp_path, 29633, ["--train-iters", "5", "--warmup-steps", "1"],

@@ -1,0 +1,86 @@
+"""Ours' paired overhead as a share of native's, per rank, with a bootstrap 95 % interval (issue 5's "at most a
+third of native's overhead" line), from the JSON of two alternating runs (``--alternate-offload``):
+
+    python benchmarks/overhead_ratio.py OURS.json NATIVE.json [--limit 0.3333] [--json-out FILE]
+
+Several files per side (``--ours A.json B.json --native C.json``) pool their pairs per rank. The verdict per rank:
+``met`` where the interval's upper end is at or under the limit, ``not met`` where its lower end is above it,
+``unresolved`` otherwise. Each run's pairs are recomputed from its ``step_ms`` and ``alternation.on_steps`` with the
+first counted step ``pretrain_gpt.py`` used (``paired_steps.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from paired_steps import overhead_ratio_interval, paired_ratios  # noqa: E402
+
+
+def run_pairs(path: str) -> dict[int, list[float]]:
+    """Per rank, the per-pair step-time ratios of one alternating run's JSON."""
+    doc = json.loads(Path(path).read_text())
+    warmup = doc["args"]["warmup_steps"]
+    first = warmup if warmup % 2 else warmup + 1  # as pretrain_gpt.py
+    out = {}
+    for row in doc["ranks"]:
+        alt = row.get("alternation")
+        if alt is None:
+            raise ValueError(f"{path}: rank {row['rank']} has no alternation data; run with --alternate-offload")
+        out[row["rank"]] = paired_ratios(row["step_ms"], alt["on_steps"], first)
+    return out
+
+
+def pooled(paths: list[str]) -> dict[int, list[float]]:
+    out: dict[int, list[float]] = {}
+    for p in paths:
+        for rank, ratios in run_pairs(p).items():
+            out.setdefault(rank, []).extend(ratios)
+    return out
+
+
+def compare(ours: list[str], native: list[str], limit: float) -> list[dict]:
+    o, n = pooled(ours), pooled(native)
+    if sorted(o) != sorted(n):
+        raise ValueError(f"the runs have different ranks: ours {sorted(o)}, native {sorted(n)}")
+    rows = []
+    for rank in sorted(o):
+        ratio, lo, hi = overhead_ratio_interval(o[rank], n[rank])
+        verdict = "met" if hi <= limit else "not met" if lo > limit else "unresolved"
+        rows.append({"rank": rank, "pairs_ours": len(o[rank]), "pairs_native": len(n[rank]),
+                     "ratio": round(ratio, 3), "ratio_ci95": [round(lo, 3), round(hi, 3)], "limit": limit,
+                     "verdict": verdict})
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("files", nargs="*", help="OURS.json NATIVE.json (or use --ours / --native)")
+    ap.add_argument("--ours", nargs="+", default=[])
+    ap.add_argument("--native", nargs="+", default=[])
+    ap.add_argument("--limit", type=float, default=1 / 3)
+    ap.add_argument("--json-out")
+    args = ap.parse_args()
+    ours, native = list(args.ours), list(args.native)
+    if args.files:
+        if len(args.files) != 2 or ours or native:
+            ap.error("give exactly OURS.json NATIVE.json, or --ours ... --native ...")
+        ours, native = [args.files[0]], [args.files[1]]
+    if not ours or not native:
+        ap.error("give ours' and native's runs")
+    rows = compare(ours, native, args.limit)
+    print(f"{'rank':>4}  {'pairs':>9}  {'ratio':>6}  95 % interval      verdict (limit {args.limit:.3f})")
+    for r in rows:
+        lo, hi = r["ratio_ci95"]
+        print(f"{r['rank']:>4}  {r['pairs_ours']:>4}/{r['pairs_native']:<4}  {r['ratio']:>6.3f}  [{lo:.3f}, {hi:.3f}]"
+              f"  {r['verdict']}")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"ours": ours, "native": native, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
