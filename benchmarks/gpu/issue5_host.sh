@@ -29,6 +29,9 @@
 #    megatron-core 0.16.1 (NATIVE_TREE), its native offloading; alt_NAME@native alternates it too. "all5_hooks": the
 #    five MoE points with nothing large enough to move (hooks_only for CONFIG=C). EXTRA: more pretrain_gpt.py flags
 #    for every run (EXTRA=--peak-trace: what was live at step 1's peak, benchmarks/peak_trace.py).
+# The summary ends with, for every alt_ variant that also ran as NAME@native, the ratio of the two paired overheads
+# per rank with its 95 % interval and issue 5's verdict (benchmarks/overhead_ratio.py). "STOPPED ... (complete)": the
+# run hit RUN_TIMEOUT after rank 0 had written its JSON (torchrun's teardown), so its results stand.
 set -u
 out=${1:?outdir}; mkdir -p "$out"
 { nvidia-smi topo -m; lscpu | head -25; cat /proc/loadavg; } > "$out/host_topology.txt" 2>&1
@@ -82,7 +85,10 @@ for rep in $(seq 1 "${REPS:-2}"); do
       i=$((i + 1)); tag=${name/@old/_old}; tag=${tag/@native/_native}-$bind-$rep
       env $envs PYTHONPATH=${tree:+$tree:}$PYTHONPATH timeout ${RUN_TIMEOUT:-150} torchrun --nproc-per-node ${NPROC:-1} \
         --master-port $((29520 + i)) benchmarks/pretrain_gpt.py $A $flags $alt ${SYNCS:+--time-syncs} ${EXTRA:-} \
-        --cpu-bind "$bind" --json-out "$out/$tag.json" --label "$name" > "$out/$tag.log" 2>&1 || echo "FAILED $tag"
+        --cpu-bind "$bind" --json-out "$out/$tag.json" --label "$name" > "$out/$tag.log" 2>&1 || {
+          # rank 0 writes the JSON after the last step: a run stopped after that (torchrun's teardown past
+          # RUN_TIMEOUT) has complete results
+          [ -s "$out/$tag.json" ] && echo "STOPPED after writing its results (complete): $tag" || echo "FAILED $tag"; }
     done
   done
 done
@@ -121,4 +127,18 @@ for stem, r in runs.items():
         print(f"  breakdown (inclusive, wrapper {bd['wrapper_us']} us/call):")
         for name, v in list(bd["functions"].items())[:24]:
             print(f"    {name:46s} {v['us_per_step']:9.1f} us/step {v['calls_per_step']:7.1f} calls {v['us_per_call']:8.2f} us/call")
+# ours against native, per rank, wherever a variant ran both ways (benchmarks/overhead_ratio.py: issue 5's third)
+sys.path.insert(0, "benchmarks")
+from overhead_ratio import compare  # noqa: E402
+
+for stem in runs:
+    native = stem.replace("-", "_native-", 1)
+    if "_native" not in stem and native in runs and runs[stem].get("alternation"):
+        try:
+            rows = compare([f"{sys.argv[1]}/{stem}.json"], [f"{sys.argv[1]}/{native}.json"], 1 / 3)
+        except ValueError as e:
+            print(f"  {stem} / native: no ratio ({e})")
+            continue
+        print(f"  {stem} / native, ratio of overheads [95 %] by rank: " + "; ".join(
+            f"{r['rank']}: {r['ratio']} {r['ratio_ci95']} {r['verdict']}" for r in rows))
 PY
