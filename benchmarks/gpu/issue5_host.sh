@@ -83,6 +83,7 @@ for rep in $(seq 1 "${REPS:-2}"); do
         hooks_breakdown) flags="$OFF --min-offloaded-tensor-size 1000000000000 --runtime-breakdown" ;; esac
       name=$name0
       i=$((i + 1)); tag=${name/@old/_old}; tag=${tag/@native/_native}-$bind-$rep
+      rm -f "$out/$tag.json"  # a JSON left from an earlier run must not pass for this one's
       env $envs PYTHONPATH=${tree:+$tree:}$PYTHONPATH timeout ${RUN_TIMEOUT:-150} torchrun --nproc-per-node ${NPROC:-1} \
         --master-port $((29520 + i)) benchmarks/pretrain_gpt.py $A $flags $alt ${SYNCS:+--time-syncs} ${EXTRA:-} \
         --cpu-bind "$bind" --json-out "$out/$tag.json" --label "$name" > "$out/$tag.log" 2>&1 || {
