@@ -1,0 +1,109 @@
+"""The command line of ``benchmarks/pretrain_gpt.py``: Megatron-LM-style model and parallelism flags, the offload
+flags, and the measurement switches (alternation, host delay, DMA load, profiles), each checked against the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def parse_args(argv: list[str] | None = None, description: str | None = None) -> argparse.Namespace:
+    """``pretrain_gpt.py``'s flags (Megatron-LM's spelling), checked, with the derived defaults filled in."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--num-layers", type=int, default=2)
+    a("--hidden-size", type=int, default=64)
+    a("--num-attention-heads", type=int, default=4)
+    a("--num-query-groups", type=int, default=None)
+    a("--ffn-hidden-size", type=int, default=None)
+    a("--seq-length", type=int, default=128)
+    a("--vocab-size", type=int, default=32000)
+    a("--micro-batch-size", type=int, default=1)
+    a("--num-microbatches", type=int, default=None)
+    a("--global-batch-size", type=int, default=None)
+    a("--tensor-model-parallel-size", type=int, default=1)
+    a("--sequence-parallel", action="store_true")
+    a("--pipeline-model-parallel-size", type=int, default=1)
+    a("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    a("--virtual-pipeline-model-parallel-size", type=int, default=None)
+    a("--expert-model-parallel-size", type=int, default=1)
+    a("--num-experts", type=int, default=None)
+    a("--moe-router-topk", type=int, default=2)
+    a("--moe-ffn-hidden-size", type=int, default=None)
+    a("--moe-token-dispatcher-type", default=None, choices=["allgather", "alltoall"])
+    a("--transformer-impl", default="transformer_engine", choices=["transformer_engine", "local"])
+    a("--bf16", action="store_true")
+    a("--recompute-granularity", default=None, choices=["full", "selective"])
+    a("--recompute-modules", nargs="*", default=None)
+    a("--fp8", default=None, choices=["e4m3", "hybrid"], help="TransformerEngine FP8 (GPU)")
+    a("--fp8-recipe", default="delayed", choices=["delayed", "tensorwise", "mxfp8", "blockwise"])
+    a("--attention-backend", default="auto", choices=["auto", "flash", "fused", "unfused", "local"],
+      help="TE attention backend, as in Megatron-LM (sets NVTE_FLASH_ATTN / NVTE_FUSED_ATTN)")
+    a("--eval-interval", type=int, default=0, help="every K training steps run a forward-only evaluation")
+    a("--eval-iters", type=int, default=2, help="microbatches per evaluation")
+    a("--fine-grained-activation-offloading", action="store_true")
+    a("--offload-modules", nargs="*", default=[])
+    a("--min-offloaded-tensor-size", type=int, default=1024 * 1024)
+    a("--audit-offloaded", action="store_true",
+      help="after every step, check in bytes that no offloaded storage was a parameter, main_grad or TE FP8 "
+           "weight workspace (ours only; JSON field 'audit')")
+    a("--train-iters", type=int, default=10)
+    a("--warmup-steps", type=int, default=2, help="steps left out of the step-time median")
+    a("--log-interval", type=int, default=1)
+    a("--lr", type=float, default=1e-4)
+    a("--seed", type=int, default=1234)
+    a("--deterministic", action="store_true",
+      help="deterministic kernels (torch deterministic algorithms, TE deterministic attention)")
+    a("--cpu-bind", default="none", choices=["none", "gpu-local", "compact"],
+      help="bind the rank to CPU cores (benchmarks/cpu_affinity.py): the GPU's NUMA node, or a block of it")
+    a("--cpu-bind-cores", type=int, default=4, help="with --cpu-bind compact: cores per rank")
+    a("--manual-gc", action="store_true",
+      help="as in Megatron-LM: no automatic Python garbage collection; collect between steps (untimed)")
+    a("--manual-gc-interval", type=int, default=1, help="with --manual-gc: collect every K steps")
+    a("--memory-timeline", action="store_true", help="log allocated memory around every microbatch")
+    a("--peak-trace", action="store_true",
+      help="record the allocator's history in the step whose peak is reported: where the peak was reached and the "
+           "reloaded bytes live then (benchmarks/peak_trace.py); JSON 'peak_trace'")
+    a("--profile-steps", type=int, nargs=2, default=None, metavar=("FIRST", "LAST"),
+      help="torch.profiler trace of these steps (inclusive), summarised by trace_analysis.py")
+    a("--alternate-offload", action="store_true",
+      help="every odd step runs without offloading (ours: inside mcore_offload.paused(); native on megatron-core "
+           "0.16: its switches off, benchmarks/native_pause.py), so one process times both kinds under the same "
+           "host drift; JSON 'alternation': paired overhead with a 95%% interval, Δpeak")
+    a("--host-delay-us", type=float, nargs=2, default=None, metavar=("FWD", "BWD"),
+      help="every other step, spin FWD us at each transformer layer's forward and BWD us at its backward "
+           "(benchmarks/host_delay.py): the paired overhead over the delay is the host time the step exposes; "
+           "JSON 'alternation' and 'host_delay'")
+    a("--dma-load-mib", type=float, nargs=2, default=None, metavar=("FWD", "BWD"),
+      help="no offloading; every other step, copy FWD MiB device-to-host at each transformer layer's forward and "
+           "BWD MiB host-to-device at its backward, on side streams, into buffers nothing reads "
+           "(benchmarks/dma_load.py): the paired overhead is what the link traffic alone costs; JSON 'dma_load'")
+    a("--time-syncs", action="store_true",
+      help="host time blocked in Tensor.cpu/.item/.tolist of CUDA tensors and in Event/Stream.synchronize per step "
+           "(benchmarks/sync_wait.py); JSON 'sync_wait'")
+    a("--runtime-breakdown", action="store_true",
+      help="ours: time each offload-runtime function from the first timed step (benchmarks/runtime_breakdown.py)")
+    a("--cprofile-steps", type=int, nargs=2, default=None, metavar=("FIRST", "LAST"),
+      help="cProfile these steps (inclusive) with autograd on the main thread, so that backward's Python "
+           "(hooks, TE's backward functions) is profiled too; writes cprofile_rank*.txt to --profile-dir")
+    a("--profile-dir", default="profile", help="where traces and their summaries go")
+    a("--json-out", default=None, help="write every rank's results here (rank 0)")
+    a("--label", default="", help="free text stored in the JSON")
+    args = p.parse_args(argv)
+    if sum(map(bool, (args.alternate_offload, args.host_delay_us, args.dma_load_mib))) > 1:
+        p.error("--alternate-offload, --host-delay-us and --dma-load-mib each alternate steps themselves: "
+                "use one of them per run")
+    if args.dma_load_mib and args.fine_grained_activation_offloading:
+        p.error("--dma-load-mib measures the copies without the offload runtime: drop "
+                "--fine-grained-activation-offloading")
+    if args.alternate_offload and not args.fine_grained_activation_offloading:
+        p.error("--alternate-offload compares offloaded with plain steps: add --fine-grained-activation-offloading "
+                "and --offload-modules")
+    if args.num_microbatches is None:
+        args.num_microbatches = max(1, (args.global_batch_size or args.micro_batch_size) // args.micro_batch_size)
+    if args.num_layers_per_virtual_pipeline_stage and not args.virtual_pipeline_model_parallel_size:
+        per_stage = args.num_layers // args.pipeline_model_parallel_size
+        args.virtual_pipeline_model_parallel_size = per_stage // args.num_layers_per_virtual_pipeline_stage
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = 4 * args.hidden_size
+    return args
