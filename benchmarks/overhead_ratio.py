@@ -17,14 +17,13 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from paired_steps import overhead_ratio_interval, paired_ratios  # noqa: E402
+from paired_steps import first_counted_step, overhead_ratio_interval, paired_ratios  # noqa: E402
 
 
 def run_pairs(path: str) -> dict[int, list[float]]:
     """Per rank, the per-pair step-time ratios of one alternating run's JSON."""
     doc = json.loads(Path(path).read_text())
-    warmup = doc["args"]["warmup_steps"]
-    first = warmup if warmup % 2 else warmup + 1  # as pretrain_gpt.py
+    first = first_counted_step(doc["args"]["warmup_steps"])
     out = {}
     for row in doc["ranks"]:
         alt = row.get("alternation")

@@ -13,6 +13,13 @@ import random
 import statistics
 
 
+def first_counted_step(warmup_steps: int) -> int:
+    """The first step an alternating run counts: a plain (odd) one at or after the warm-up, so that the next
+    offloaded step has plain neighbours on both sides (``pretrain_gpt.py`` writes it; ``overhead_ratio.py`` reads
+    the runs back with it)."""
+    return warmup_steps if warmup_steps % 2 else warmup_steps + 1
+
+
 def paired_ratios(step_ms: list[float], on_steps: list[bool], first: int = 0) -> list[float]:
     """For every offloaded step ``i`` with plain steps ``i - 1 >= first`` and ``i + 1``: ``t[i] / mean(both)``.
 

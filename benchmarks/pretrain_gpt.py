@@ -460,10 +460,9 @@ def main(argv=None) -> int:
         syncs.uninstall()
         row["sync_wait"] = syncs.as_dict(on_steps if alternate else None, args.warmup_steps)
     if alternate:
-        from paired_steps import alternation_summary
+        from paired_steps import alternation_summary, first_counted_step
 
-        # the first counted step is a plain one (odd), so that the next offloaded step has both neighbours
-        first = args.warmup_steps if args.warmup_steps % 2 else args.warmup_steps + 1
+        first = first_counted_step(args.warmup_steps)
         row["alternation"] = alternation_summary(step_ms, on_steps, first, step_peaks if cuda else None)
         row["alternation"]["on_steps"] = on_steps
         row["alternation"]["step_peaks"] = step_peaks
