@@ -2,6 +2,7 @@
 third of native's overhead" line), from the JSON of two alternating runs (``--alternate-offload``):
 
     python benchmarks/overhead_ratio.py OURS.json NATIVE.json [--limit 0.3333] [--json-out FILE]
+    python benchmarks/overhead_ratio.py --plot OUT.png ROWS.json ...   # a picture of earlier --json-out files
 
 Several files per side (``--ours A.json B.json --native C.json``) pool their pairs per rank. The verdict per rank:
 ``met`` where the interval's upper end is at or under the limit, ``not met`` where its lower end is above it,
@@ -55,6 +56,35 @@ def compare(ours: list[str], native: list[str], limit: float) -> list[dict]:
     return rows
 
 
+def plot(row_files: list[str], path: str, limit: float = 1 / 3) -> bool:
+    """One line per (file, rank): the ratio and its interval against the limit, from ``--json-out`` files (each
+    file's name, less ``.json``, labels its lines). False where matplotlib is missing."""
+    import peak_memory  # here: its pyplot() loads matplotlib, wanted only for a plot
+
+    plt = peak_memory.pyplot()
+    if plt is None:
+        return False
+    lines = []
+    for f in row_files:
+        for r in json.loads(Path(f).read_text())["rows"]:
+            lines.append((f"{Path(f).stem} r{r['rank']}", r["ratio"], *r["ratio_ci95"], r["verdict"]))
+    colours = {"met": "#2a7a2a", "not met": "#b03030", "unresolved": "#777777"}
+    fig, ax = plt.subplots(figsize=(7.0, 0.9 + 0.28 * len(lines)))
+    for y, (_, ratio, lo, hi, verdict) in enumerate(reversed(lines)):
+        ax.plot([lo, hi], [y, y], color=colours[verdict], linewidth=2)
+        ax.plot([ratio], [y], "o", color=colours[verdict], markersize=4)
+    ax.axvline(limit, color="black", linestyle="--", linewidth=0.8, label=f"limit {limit:.2f} (a third of native's)")
+    ax.set_yticks(range(len(lines)), [line[0] for line in reversed(lines)], fontsize=7)
+    ax.set_xlabel("ours' paired overhead / native's (median, bootstrap 95 % interval)")
+    for verdict, colour in colours.items():
+        ax.plot([], [], color=colour, linewidth=2, label=verdict)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("files", nargs="*", help="OURS.json NATIVE.json (or use --ours / --native)")
@@ -62,7 +92,12 @@ def main() -> int:
     ap.add_argument("--native", nargs="+", default=[])
     ap.add_argument("--limit", type=float, default=1 / 3)
     ap.add_argument("--json-out")
+    ap.add_argument("--plot", metavar="PNG", help="draw the rows of the given --json-out files instead")
     args = ap.parse_args()
+    if args.plot:
+        if not args.files or args.ours or args.native:
+            ap.error("--plot takes the --json-out files of earlier comparisons")
+        return 0 if plot(args.files, args.plot, args.limit) else 1
     ours, native = list(args.ours), list(args.native)
     if args.files:
         if len(args.files) != 2 or ours or native:

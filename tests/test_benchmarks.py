@@ -315,6 +315,13 @@ def test_overhead_ratio_interval_and_verdicts(tmp_path):
     one_rank = _alternating_json(tmp_path / "one.json", {0: [0.3] * 15})  # ranks 0 only, against 0-2
     with pytest.raises(ValueError, match="different ranks"):
         compare([ours], [one_rank], 1 / 3)
+    # the picture of such rows: one line per rank, drawn where matplotlib is installed
+    rows_file = tmp_path / "D-x.json"
+    rows_file.write_text(json.dumps({"rows": compare([ours], [native], 1 / 3)}))
+    from overhead_ratio import plot
+
+    pytest.importorskip("matplotlib")
+    assert plot([str(rows_file)], str(tmp_path / "r.png")) and (tmp_path / "r.png").stat().st_size > 0
     # a run without alternation data: one sentence naming the flag
     (tmp_path / "plain.json").write_text(json.dumps({"args": {"warmup_steps": 1}, "ranks": [{"rank": 0}]}))
     with pytest.raises(ValueError, match="--alternate-offload"):
