@@ -1,4 +1,5 @@
-"""``--alternate-offload`` for upstream's native offloading (megatron-core 0.16): every odd step runs with it off.
+"""``--alternate-offload`` for upstream's native offloading (megatron-core 0.16): the plain steps (every odd one, or
+two in three with ``--alternate-period 3``) run with it off.
 
 The acceptance lines compare our overhead with native's. Separate processes on the GPU host differ by more than
 that comparison resolves (two runs of one baseline a minute apart: up to 25 %), so both implementations are timed

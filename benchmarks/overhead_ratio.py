@@ -18,19 +18,19 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from paired_steps import first_counted_step, overhead_ratio_interval, paired_ratios  # noqa: E402
+from paired_steps import first_counted_step, overhead_ratio_interval, pair_values  # noqa: E402
 
 
 def run_pairs(path: str) -> dict[int, list[float]]:
-    """Per rank, the per-pair step-time ratios of one alternating run's JSON."""
+    """Per rank, the values one alternating run's overhead is the median of (:func:`paired_steps.pair_values`)."""
     doc = json.loads(Path(path).read_text())
-    first = first_counted_step(doc["args"]["warmup_steps"])
+    first = first_counted_step(doc["args"]["warmup_steps"], doc["args"].get("alternate_period", 2))
     out = {}
     for row in doc["ranks"]:
         alt = row.get("alternation")
         if alt is None:
             raise ValueError(f"{path}: rank {row['rank']} has no alternation data; run with --alternate-offload")
-        out[row["rank"]] = paired_ratios(row["step_ms"], alt["on_steps"], first)
+        out[row["rank"]] = pair_values(row["step_ms"], alt["on_steps"], first)
     return out
 
 

@@ -5,19 +5,31 @@ baseline's median by 25 % between runs a minute apart). Alternating steps in one
 to the same drift; each offloaded step is compared with the mean of its plain neighbours (before and after),
 which cancels drift that is linear over three steps. The overhead is the median of those ratios, with a
 bootstrap 95 % interval over the ratios.
+
+With one offloaded step in two (``--alternate-period 2``, the default) the offloaded steps are always the even ones,
+so an effect of a step's parity on its time (work the schedule does every other step) would bias every ratio the same
+way. With one in three (``--alternate-period 3``) offloaded steps fall on even and odd steps in turn: each value is
+then the geometric mean of two consecutive ratios of opposite parity, where such an effect cancels, and the plain
+steps, which come in adjacent twos, measure the effect itself (:func:`plain_step_effects`). They also measure work
+an offloaded step leaves to the step after it, which either period's overhead leaves out (that step is a plain
+neighbour of its ratio).
 """
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 
 
-def first_counted_step(warmup_steps: int) -> int:
-    """The first step an alternating run counts: a plain (odd) one at or after the warm-up, so that the next
-    offloaded step has plain neighbours on both sides (``pretrain_gpt.py`` writes it; ``overhead_ratio.py`` reads
-    the runs back with it)."""
-    return warmup_steps if warmup_steps % 2 else warmup_steps + 1
+def first_counted_step(warmup_steps: int, period: int = 2) -> int:
+    """The first step an alternating run counts: the plain one at or after the warm-up just before an offloaded step
+    (step ``s`` is offloaded when ``s % period == 0``), so that the next offloaded step has plain neighbours on both
+    sides (``pretrain_gpt.py`` writes it; ``overhead_ratio.py`` reads the runs back with it)."""
+    step = warmup_steps
+    while (step + 1) % period:
+        step += 1
+    return step
 
 
 def paired_ratios(step_ms: list[float], on_steps: list[bool], first: int = 0) -> list[float]:
@@ -30,6 +42,57 @@ def paired_ratios(step_ms: list[float], on_steps: list[bool], first: int = 0) ->
         if on_steps[i] and not on_steps[i - 1] and not on_steps[i + 1]:
             ratios.append(step_ms[i] / (0.5 * (step_ms[i - 1] + step_ms[i + 1])))
     return ratios
+
+
+def _opposite_parity_means(indexed: list[tuple[int, float]]) -> list[float]:
+    """Geometric means of consecutive, non-overlapping twos of ``(step, value)`` whose steps differ in parity (an
+    irregular pattern's two of one parity moves on by one)."""
+    out, k = [], 0
+    while k + 1 < len(indexed):
+        (i, a), (j, b) = indexed[k], indexed[k + 1]
+        if i % 2 != j % 2:
+            out.append(math.sqrt(a * b))
+            k += 2
+        else:
+            k += 1
+    return out
+
+
+def pair_values(step_ms: list[float], on_steps: list[bool], first: int = 0) -> list[float]:
+    """The values an alternating run's overhead is the median of: :func:`paired_ratios` where every offloaded step
+    has one parity (period 2); where they alternate between parities (period 3), the geometric mean of each
+    consecutive, non-overlapping two of opposite parity, so that a parity effect cancels inside every value."""
+    indexed = []
+    for i in range(max(first + 1, 1), len(step_ms) - 1):
+        if on_steps[i] and not on_steps[i - 1] and not on_steps[i + 1]:
+            indexed.append((i, step_ms[i] / (0.5 * (step_ms[i - 1] + step_ms[i + 1]))))
+    if len({i % 2 for i, _ in indexed}) < 2:
+        return [r for _, r in indexed]
+    return _opposite_parity_means(indexed)
+
+
+def plain_step_effects(step_ms: list[float], on_steps: list[bool], first: int = 0) -> dict | None:
+    """What the adjacent twos of plain steps between offloaded ones show (``--alternate-period 3``): the even step's
+    time over the odd one's (a parity effect, which period 2 cannot see and books as overhead or saving), and the
+    first plain step's over the second's (work an offloaded step leaves to the step after it, which period 2 books
+    as a saving). In every other two the even step comes first, so each effect is taken over consecutive twos of
+    opposite order, where the other one cancels. Medians in %, with bootstrap 95 % intervals; None without such
+    twos of both orders."""
+    parity, after = [], []
+    for i in range(max(first, 1), len(step_ms) - 1):
+        if on_steps[i - 1] and not on_steps[i] and not on_steps[i + 1]:
+            even, odd = (i, i + 1) if i % 2 == 0 else (i + 1, i)
+            parity.append((i, step_ms[even] / step_ms[odd]))
+            after.append((i, step_ms[i] / step_ms[i + 1]))
+    parity, after = _opposite_parity_means(parity), _opposite_parity_means(after)
+    if not parity:
+        return None
+    out: dict = {"plain_twos": 2 * len(parity)}
+    for key, vals in (("even_over_odd_pct", parity), ("after_offloaded_pct", after)):
+        lo, hi = bootstrap_median_interval(vals)
+        out[key] = round(100 * (statistics.median(vals) - 1), 2)
+        out[key.replace("_pct", "_ci95_pct")] = [round(100 * (lo - 1), 2), round(100 * (hi - 1), 2)]
+    return out
 
 
 def bootstrap_median_interval(values: list[float], rounds: int = 2000, seed: int = 0) -> tuple[float, float]:
@@ -71,7 +134,7 @@ def overhead_ratio_interval(ours: list[float], native: list[float], rounds: int 
 def alternation_summary(step_ms: list[float], on_steps: list[bool], first: int,
                         peaks: list[int] | None = None) -> dict:
     """What the JSON row of an alternating run reports (percentages, rounded)."""
-    ratios = paired_ratios(step_ms, on_steps, first)
+    ratios = pair_values(step_ms, on_steps, first)
     on = [t for t, o in zip(step_ms[first:], on_steps[first:]) if o]
     off = [t for t, o in zip(step_ms[first:], on_steps[first:]) if not o]
     out: dict = {"pairs": len(ratios),
@@ -87,4 +150,7 @@ def alternation_summary(step_ms: list[float], on_steps: list[bool], first: int,
         if p_on and p_off:
             out["peak_bytes_on_max"], out["peak_bytes_off_max"] = max(p_on), max(p_off)
             out["delta_peak_bytes"] = max(p_off) - max(p_on)
+    effects = plain_step_effects(step_ms, on_steps, first)
+    if effects is not None:
+        out["plain_steps"] = effects
     return out

@@ -70,6 +70,10 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
       help="every odd step runs without offloading (ours: inside mcore_offload.paused(); native on megatron-core "
            "0.16: its switches off, benchmarks/native_pause.py), so one process times both kinds under the same "
            "host drift; JSON 'alternation': paired overhead with a 95%% interval, Δpeak")
+    a("--alternate-period", type=int, default=2, choices=(2, 3),
+      help="with --alternate-offload, --host-delay-us or --dma-load-mib: one step in N is the offloaded (delayed, "
+           "loaded) one. 3 puts those steps on even and odd steps in turn, so an effect of a step's parity cancels, "
+           "and reports that effect from the plain steps (JSON 'alternation' 'plain_steps'); 2 has more pairs")
     a("--host-delay-us", type=float, nargs=2, default=None, metavar=("FWD", "BWD"),
       help="every other step, spin FWD us at each transformer layer's forward and BWD us at its backward "
            "(benchmarks/host_delay.py): the paired overhead over the delay is the host time the step exposes; "
@@ -93,6 +97,9 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     if sum(map(bool, (args.alternate_offload, args.host_delay_us, args.dma_load_mib))) > 1:
         p.error("--alternate-offload, --host-delay-us and --dma-load-mib each alternate steps themselves: "
                 "use one of them per run")
+    if args.alternate_period != 2 and not (args.alternate_offload or args.host_delay_us or args.dma_load_mib):
+        p.error("--alternate-period sets how steps alternate: add --alternate-offload (or --host-delay-us, "
+                "--dma-load-mib)")
     if args.dma_load_mib and args.fine_grained_activation_offloading:
         p.error("--dma-load-mib measures the copies without the offload runtime: drop "
                 "--fine-grained-activation-offloading")

@@ -360,7 +360,7 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
             if alternate:  # every step's own peak (the step-1 peak above is still read as usual)
                 torch.cuda.reset_peak_memory_stats()
-        on_steps.append(not (alternate and step % 2))
+        on_steps.append(not alternate or step % args.alternate_period == 0)
         if side_load is not None:
             side_load.active = on_steps[-1]
         gc_clock.start_step()
@@ -441,8 +441,8 @@ def main(argv=None) -> int:
         row["offload"] = get_summary().as_dict()
         per_step = row["offload"]["per_step"]
         for key in ("stall_ms", "d2h_GBps", "h2d_GBps", "runtime_cpu_ms"):
-            # summary records offloading steps only: with --alternate-offload, every other step
-            skip = (args.warmup_steps + 1) // 2 if alternate else args.warmup_steps
+            # the summary records offloading steps only: skip those of the warm-up
+            skip = sum(on_steps[:args.warmup_steps])
             vals = [v for v in per_step[key][skip:] if v is not None]
             row[key] = statistics.median(vals) if vals else None
         row["host_bytes_at_peak"] = at_peak
@@ -462,7 +462,7 @@ def main(argv=None) -> int:
     if alternate:
         from paired_steps import alternation_summary, first_counted_step
 
-        first = first_counted_step(args.warmup_steps)
+        first = first_counted_step(args.warmup_steps, args.alternate_period)
         row["alternation"] = alternation_summary(step_ms, on_steps, first, step_peaks if cuda else None)
         row["alternation"]["on_steps"] = on_steps
         row["alternation"]["step_peaks"] = step_peaks

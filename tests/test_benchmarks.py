@@ -33,19 +33,21 @@ def tiny_pair(tmp_path, port: int, common: list[str], first: list[str], second: 
     """``pretrain_gpt.py`` on the tiny CPU model through torchrun, with ``first`` then ``second`` extra flags: rank
     0's rows (run again once if their losses differ in steps 0-1 only: :func:`differs_only_before_step_2`)."""
     for attempt in range(2):
-        rows = []
-        for i, extra in enumerate((first, second)):
-            js = tmp_path / f"run{attempt}-{i}.json"
-            proc = subprocess.run(
-                [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(port),
-                 str(ROOT / "benchmarks" / "cpu_launch.py"), *peak_memory.TINY.split(), *common, "--json-out",
-                 str(js), *extra],
-                capture_output=True, text=True, timeout=300)
-            assert proc.returncode == 0, proc.stderr[-3000:]
-            rows.append(json.loads(js.read_text())["ranks"][0])
+        rows = [tiny_run(tmp_path / f"run{attempt}-{i}.json", port, [*common, *extra])
+                for i, extra in enumerate((first, second))]
         if not differs_only_before_step_2(rows[0]["loss_hex"], rows[1]["loss_hex"]):
             break
     return rows[0], rows[1]
+
+
+def tiny_run(js, port: int, flags: list[str]) -> dict:
+    """One ``pretrain_gpt.py`` run on the tiny CPU model through torchrun: rank 0's row."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(port),
+         str(ROOT / "benchmarks" / "cpu_launch.py"), *peak_memory.TINY.split(), *flags, "--json-out", str(js)],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(js.read_text())["ranks"][0]
 
 
 def tiny_base_and_ours(tmp_path, port: int, common: list[str], ours: list[str]) -> tuple[dict, dict]:
@@ -253,81 +255,6 @@ def test_pretrain_gpt_runtime_breakdown_times_the_runtime_without_changing_the_l
     assert "runtime_breakdown" not in out["base"]
 
 
-def test_paired_overhead_cancels_linear_drift_and_bounds_the_median():
-    from paired_steps import alternation_summary, paired_ratios
-
-    # plain steps drift 100 -> 118 ms linearly; offloaded steps cost 5 % more than the drift line at their place
-    steps = [100 + 2 * i for i in range(10)]
-    on = [i % 2 == 0 for i in range(10)]
-    timed = [t * 1.05 if o else t for t, o in zip(steps, on)]
-    ratios = paired_ratios(timed, on, first=2)
-    # steps 4, 6, 8: step 2's left neighbour is a warm-up step, and a one-sided ratio would keep the drift
-    assert len(ratios) == 3 and all(r == pytest.approx(1.05) for r in ratios)
-    assert len(paired_ratios(timed + [200.0], on + [True], first=2)) == 3  # the last step has no right neighbour
-    assert len(paired_ratios(timed + [200.0, 300.0], on + [True, False], first=2)) == 4
-    peaks = [1000 if o else 1500 for o in on]
-    got = alternation_summary(timed, on, 2, peaks)
-    assert got["pairs"] == 3 and got["paired_overhead_pct"] == pytest.approx(5.0)
-    lo, hi = got["paired_overhead_ci95_pct"]
-    assert lo <= got["paired_overhead_pct"] <= hi
-    assert got["delta_peak_bytes"] == 500
-
-
-def _alternating_json(path, rank_overheads: dict[int, list[float]]) -> str:
-    """An alternating run's JSON as pretrain_gpt.py writes it (one warm-up step): per rank, plain steps at 100 ms
-    and each counted offloaded step ``1 + overhead`` times that."""
-    ranks = []
-    for rank, overheads in rank_overheads.items():
-        steps = [100.0, 100.0]  # step 0 (offloaded, warm-up) and step 1, the first counted (plain)
-        for o in overheads:
-            steps += [100.0 * (1 + o), 100.0]
-        ranks.append({"rank": rank, "step_ms": steps, "alternation": {"on_steps": [i % 2 == 0 for i in
-                                                                                   range(len(steps))]}})
-    path.write_text(json.dumps({"args": {"warmup_steps": 1}, "ranks": ranks}))
-    return str(path)
-
-
-def test_overhead_ratio_interval_and_verdicts(tmp_path):
-    """The ⅓-of-native line is judged on the ratio's own bootstrap interval: met, not met, or unresolved."""
-    from overhead_ratio import compare, run_pairs
-    from paired_steps import overhead_ratio_interval
-
-    ratio, lo, hi = overhead_ratio_interval([1.05] * 20, [1.30] * 20)
-    assert ratio == pytest.approx(1 / 6) and lo == pytest.approx(1 / 6) and hi == pytest.approx(1 / 6)
-    spread = [1.0 + 0.01 * i for i in range(21)]  # ours' median overhead 10 %, from 0 to 20 %
-    ratio, lo, hi = overhead_ratio_interval(spread, [1.30] * 21)
-    assert ratio == pytest.approx(1 / 3) and lo < ratio < hi
-    with pytest.raises(ValueError, match="means nothing"):
-        overhead_ratio_interval([1.05], [0.99, 1.0, 1.01])
-    with pytest.raises(ValueError, match="alternation pairs"):
-        overhead_ratio_interval([], [1.3])
-
-    wide = [0.01 * i for i in range(21)]  # median 10 %: a third of 30 %, the interval on both sides of it
-    ours = _alternating_json(tmp_path / "ours.json", {0: [0.05] * 15, 1: [0.12] * 15, 2: wide})
-    native = _alternating_json(tmp_path / "native.json", {0: [0.30] * 15, 1: [0.30] * 15, 2: [0.30] * 21})
-    assert len(run_pairs(ours)[0]) == 15
-    rows = {r["rank"]: r for r in compare([ours], [native], 1 / 3)}
-    assert rows[0]["verdict"] == "met" and rows[0]["ratio"] == pytest.approx(0.167, abs=1e-3)
-    assert rows[1]["verdict"] == "not met" and rows[1]["ratio"] == pytest.approx(0.4)
-    assert rows[2]["verdict"] == "unresolved" and rows[2]["ratio_ci95"][0] < 1 / 3 < rows[2]["ratio_ci95"][1]
-    # pooling a second run per side doubles the pairs; mixing ranks is refused
-    assert compare([ours, ours], [native], 1 / 3)[0]["pairs_ours"] == 30
-    one_rank = _alternating_json(tmp_path / "one.json", {0: [0.3] * 15})  # ranks 0 only, against 0-2
-    with pytest.raises(ValueError, match="different ranks"):
-        compare([ours], [one_rank], 1 / 3)
-    # the picture of such rows: one line per rank, drawn where matplotlib is installed
-    rows_file = tmp_path / "D-x.json"
-    rows_file.write_text(json.dumps({"rows": compare([ours], [native], 1 / 3)}))
-    from overhead_ratio import plot
-
-    pytest.importorskip("matplotlib")
-    assert plot([str(rows_file)], str(tmp_path / "r.png")) and (tmp_path / "r.png").stat().st_size > 0
-    # a run without alternation data: one sentence naming the flag
-    (tmp_path / "plain.json").write_text(json.dumps({"args": {"warmup_steps": 1}, "ranks": [{"rank": 0}]}))
-    with pytest.raises(ValueError, match="--alternate-offload"):
-        run_pairs(str(tmp_path / "plain.json"))
-
-
 @pytest.mark.multiproc
 def test_pretrain_gpt_alternate_offload_pauses_every_odd_step_and_keeps_the_loss(tmp_path):
     base, ours = tiny_base_and_ours(tmp_path, 29633, ["--train-iters", "5", "--warmup-steps", "1"],
@@ -337,9 +264,21 @@ def test_pretrain_gpt_alternate_offload_pauses_every_odd_step_and_keeps_the_loss
     assert alt["on_steps"] == [True, False, True, False, True]
     assert ours["offload"]["steps"] == 3  # only the offloading steps left a record
     assert alt["pairs"] == 1 and "paired_overhead_pct" in alt  # step 2 (step 4 has no right neighbour)
+    # one offloaded step in three: steps 0, 3 and 6 offload, the loss is still the baseline's (8 steps: the first
+    # 5 are the baseline's, the runs are deterministic)
+    third = tiny_run(tmp_path / "p3.json", 29633, ["--train-iters", "8", "--warmup-steps", "1",
+                                                   "--fine-grained-activation-offloading", "--offload-modules",
+                                                   "core_attn", "--alternate-offload", "--alternate-period", "3"])
+    assert third["loss_hex"][:5] == base["loss_hex"]
+    assert third["alternation"]["on_steps"] == [True, False, False, True, False, False, True, False]
+    assert third["offload"]["steps"] == 3
+    assert third["alternation"]["pairs"] == 1  # steps 3 and 6, of opposite parity, make one value
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pretrain_gpt.py"), "--alternate-offload"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "--alternate-offload compares offloaded with plain steps" in proc.stderr
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pretrain_gpt.py"), "--alternate-period", "3"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--alternate-period sets how steps alternate" in proc.stderr
 
 
 @pytest.mark.multiproc

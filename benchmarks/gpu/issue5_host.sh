@@ -11,7 +11,8 @@
 #    "experts_breakdown": the MoE experts set, CONFIG=C); NAME@old runs
 #    NAME with the mcore_offload package found in OLD_TREE (before/after comparisons in one interleaved run);
 #    "attn" and "auto": the attention set and offload_modules=["auto"]. alt_NAME: NAME with --alternate-offload
-#    (offloaded and plain steps alternate in one process: the paired overhead, immune to the host's drift);
+#    (offloaded and plain steps alternate in one process: the paired overhead, immune to the host's drift;
+#    ALT_PERIOD=3: one offloaded step in three, on even and odd steps in turn, and the plain steps' parity effect);
 #    NAME_bd: NAME with --runtime-breakdown (suffix order NAME_torchcopy_nochain_bd);
 #    NAME_torchcopy: PyTorch's copy_ instead of the raw cudaMemcpyAsync (MCORE_OFFLOAD_RAW_COPY=0); NAME_nochain: one
 #    group per point (MCORE_OFFLOAD_CHAIN_POINTS=0; suffix order NAME_torchcopy_nochain); "experts" and
@@ -65,7 +66,7 @@ for rep in $(seq 1 "${REPS:-2}"); do
       case ${name%@old} in *_r2*) envs="$envs MCORE_OFFLOAD_RELOAD_LAYERS=2" ;; esac
       case ${name%@old} in *_coal*) envs="$envs MCORE_OFFLOAD_COALESCE_RELOADS=1" ;; esac
       case ${name%@old} in *_py*) envs="$envs MCORE_OFFLOAD_NATIVE=0" ;; *) envs="$envs MCORE_OFFLOAD_NATIVE=${NATIVE:-1}" ;; esac
-      case ${name%@old} in alt_*) alt="--alternate-offload" ;; *) alt="" ;; esac
+      case ${name%@old} in alt_*) alt="--alternate-offload --alternate-period ${ALT_PERIOD:-2}" ;; *) alt="" ;; esac
       case ${name%@old} in *_bd) alt="$alt --runtime-breakdown" ;; esac
       base=${name%@old}; base=${base//_wc/}; base=${base//_coal/}; base=${base//_py/}; base=${base//_f4/}; base=${base//_r2/}; base=${base#alt_}; base=${base%_bd}; base=${base%_nochain}; base=${base%_torchcopy}
       case $base in baseline) flags="" ;; core_attn) flags=$OFF ;;
@@ -110,6 +111,11 @@ for stem, r in runs.items():
               f"(95 % interval {alt.get('paired_overhead_ci95_pct')}), on/off medians {alt['step_ms_on_median']:.1f}"
               f"/{alt['step_ms_off_median']:.1f} ms, delta peak {(alt.get('delta_peak_bytes') or 0) / 2**20:.0f} MiB, "
               f"stall {r.get('stall_ms')} ms, d2h {r.get('d2h_GBps')} h2d {r.get('h2d_GBps')} GB/s")
+        ps = alt.get("plain_steps")
+        if ps:
+            print(f"  plain steps ({ps['plain_twos']} twos): even over odd {ps['even_over_odd_pct']} % "
+                  f"{ps['even_over_odd_ci95_pct']}, first after an offloaded step over the next "
+                  f"{ps['after_offloaded_pct']} % {ps['after_offloaded_ci95_pct']}")
         hd = r.get("host_delay")
         if hd and alt.get("paired_overhead_pct") is not None:
             added = alt["paired_overhead_pct"] / 100 * alt["step_ms_off_median"]
