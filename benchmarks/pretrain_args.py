@@ -70,6 +70,10 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
       help="every odd step runs without offloading (ours: inside mcore_offload.paused(); native on megatron-core "
            "0.16: its switches off, benchmarks/native_pause.py), so one process times both kinds under the same "
            "host drift; JSON 'alternation': paired overhead with a 95%% interval, Δpeak")
+    a("--alternate-runtime", nargs="+", default=None, metavar="KEY=VALUE",
+      help="ours: every step offloads, the offloaded steps of the alternation with these runtime settings "
+           "(flush_layers, reload_layers) and the others with the runtime's own (benchmarks/runtime_switch.py): "
+           "JSON 'alternation' is their cost over the defaults, 'alternate_runtime' what each step held")
     a("--alternate-period", type=int, default=2, choices=(2, 3),
       help="with --alternate-offload, --host-delay-us or --dma-load-mib: one step in N is the offloaded (delayed, "
            "loaded) one. 3 puts those steps on even and odd steps in turn, so an effect of a step's parity cancels, "
@@ -94,12 +98,23 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     a("--json-out", default=None, help="write every rank's results here (rank 0)")
     a("--label", default="", help="free text stored in the JSON")
     args = p.parse_args(argv)
-    if sum(map(bool, (args.alternate_offload, args.host_delay_us, args.dma_load_mib))) > 1:
-        p.error("--alternate-offload, --host-delay-us and --dma-load-mib each alternate steps themselves: "
-                "use one of them per run")
-    if args.alternate_period != 2 and not (args.alternate_offload or args.host_delay_us or args.dma_load_mib):
-        p.error("--alternate-period sets how steps alternate: add --alternate-offload (or --host-delay-us, "
-                "--dma-load-mib)")
+    if sum(map(bool, (args.alternate_offload, args.host_delay_us, args.dma_load_mib, args.alternate_runtime))) > 1:
+        p.error("--alternate-offload, --alternate-runtime, --host-delay-us and --dma-load-mib each alternate steps "
+                "themselves: use one of them per run")
+    if args.alternate_runtime:
+        from runtime_switch import parse_settings
+
+        try:
+            args.alternate_runtime = parse_settings(args.alternate_runtime)
+        except ValueError as err:
+            p.error(str(err))
+        if not args.fine_grained_activation_offloading:
+            p.error("--alternate-runtime compares two settings of our runtime: add "
+                    "--fine-grained-activation-offloading and --offload-modules")
+    if args.alternate_period != 2 and not (args.alternate_offload or args.alternate_runtime or args.host_delay_us
+                                           or args.dma_load_mib):
+        p.error("--alternate-period sets how steps alternate: add --alternate-offload (or --alternate-runtime, "
+                "--host-delay-us, --dma-load-mib)")
     if args.dma_load_mib and args.fine_grained_activation_offloading:
         p.error("--dma-load-mib measures the copies without the offload runtime: drop "
                 "--fine-grained-activation-offloading")

@@ -268,7 +268,16 @@ def main(argv=None) -> int:
         import mcore_offload
 
         mcore_offload.ensure_patched()
-    alternate = args.alternate_offload or bool(args.host_delay_us) or bool(args.dma_load_mib)
+    alternate = args.alternate_offload or bool(args.host_delay_us) or bool(args.dma_load_mib) \
+        or bool(args.alternate_runtime)
+    switch = None  # --alternate-runtime: our runtime's settings, switched between steps
+    if args.alternate_runtime:
+        if not ours:
+            raise SystemExit("--alternate-runtime switches mcore_offload's settings: run it on megatron-core 0.15 "
+                             "with our patches, not on upstream's native offloading")
+        from runtime_switch import RuntimeSwitch
+
+        switch = RuntimeSwitch(args.alternate_runtime)
     config = build_config(args)
     chunks = build_model(args, config)
     native_pause = None  # --alternate-offload on megatron-core 0.16: native's switches, off in the odd steps
@@ -363,6 +372,8 @@ def main(argv=None) -> int:
         on_steps.append(not alternate or step % args.alternate_period == 0)
         if side_load is not None:
             side_load.active = on_steps[-1]
+        if switch is not None:
+            switch.start_step(on_steps[-1])
         gc_clock.start_step()
         t0 = time.perf_counter()
         if syncs is not None:
@@ -377,6 +388,8 @@ def main(argv=None) -> int:
         if cuda:
             torch.cuda.synchronize()
         step_ms.append((time.perf_counter() - t0) * 1e3)
+        if switch is not None:
+            switch.end_step()
         if alternate and cuda:
             step_peaks.append(torch.cuda.max_memory_allocated())
         gc_clock.end_step()
@@ -442,7 +455,7 @@ def main(argv=None) -> int:
         per_step = row["offload"]["per_step"]
         for key in ("stall_ms", "d2h_GBps", "h2d_GBps", "runtime_cpu_ms"):
             # the summary records offloading steps only: skip those of the warm-up
-            skip = sum(on_steps[:args.warmup_steps])
+            skip = args.warmup_steps if switch is not None else sum(on_steps[:args.warmup_steps])
             vals = [v for v in per_step[key][skip:] if v is not None]
             row[key] = statistics.median(vals) if vals else None
         row["host_bytes_at_peak"] = at_peak
@@ -468,6 +481,8 @@ def main(argv=None) -> int:
         row["alternation"]["step_peaks"] = step_peaks
         if side_load is not None:
             row["dma_load" if args.dma_load_mib else "host_delay"] = side_load.as_dict(sum(on_steps))
+        if switch is not None:
+            row["alternate_runtime"] = switch.as_dict(row["offload"]["per_step"], on_steps, args.warmup_steps)
         logger.info("rank %d alternating steps: %s %s", rank,
                     {k: v for k, v in row["alternation"].items() if k not in ("on_steps", "step_peaks")},
                     row.get("host_delay", row.get("dma_load", "")))

@@ -282,6 +282,36 @@ def test_pretrain_gpt_alternate_offload_pauses_every_odd_step_and_keeps_the_loss
 
 
 @pytest.mark.multiproc
+def test_pretrain_gpt_alternate_runtime_switches_our_settings_between_offloaded_steps(tmp_path):
+    """--alternate-runtime: every step offloads, the even ones with the given settings, the odd ones with the
+    runtime's own; the loss is the baseline's and each step held what it was given."""
+    base, ours = tiny_base_and_ours(tmp_path, 29639, ["--train-iters", "5", "--warmup-steps", "1"],
+                                    ["core_attn", "--alternate-runtime", "flush_layers=1", "reload_layers=2"])
+    assert ours["loss_hex"] == base["loss_hex"]
+    assert ours["alternation"]["on_steps"] == [True, False, True, False, True]
+    assert ours["offload"]["steps"] == 5  # every step offloaded
+    switched = ours["alternate_runtime"]
+    assert switched["settings"] == {"flush_layers": 1, "reload_layers": 2}
+    assert switched["defaults"] == {"flush_layers": 2, "reload_layers": 1}
+    assert switched["held_per_step"] == [switched["settings"], switched["defaults"]] * 2 + [switched["settings"]]
+    assert switched["medians"]["runtime_cpu_ms"]["test"] > 0 and switched["medians"]["runtime_cpu_ms"]["default"] > 0
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--alternate-runtime", "flush_layers=4"], "add --fine-grained-activation-offloading"),
+    (["--fine-grained-activation-offloading", "--alternate-runtime", "prefetch=late"], "KEY one of flush_layers"),
+    (["--fine-grained-activation-offloading", "--alternate-runtime", "flush_layers=0"], "positive whole number"),
+    (["--fine-grained-activation-offloading", "--alternate-runtime", "flush_layers=2", "flush_layers=4"], "twice"),
+    (["--fine-grained-activation-offloading", "--alternate-offload", "--alternate-runtime", "flush_layers=4"],
+     "use one of them per run"),
+])
+def test_pretrain_gpt_alternate_runtime_refuses_bad_settings(flags, says):
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pretrain_gpt.py"), *flags],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and says in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.multiproc
 def test_pretrain_gpt_host_delay_spins_every_layer_of_every_other_step_and_keeps_the_loss(tmp_path):
     """--host-delay-us: every layer's forward and backward of the delayed steps spin once; numbers unchanged."""
     plain, delayed = tiny_pair(tmp_path, 29637, ["--train-iters", "5", "--warmup-steps", "1"], [],

@@ -13,6 +13,8 @@
 #    "attn" and "auto": the attention set and offload_modules=["auto"]. alt_NAME: NAME with --alternate-offload
 #    (offloaded and plain steps alternate in one process: the paired overhead, immune to the host's drift;
 #    ALT_PERIOD=3: one offloaded step in three, on even and odd steps in turn, and the plain steps' parity effect);
+#    sw_NAME: NAME offloaded in every step, the alternation's steps with the runtime settings SWITCH (default
+#    "flush_layers=4 reload_layers=2") and the others with the defaults (--alternate-runtime: the settings' cost);
 #    NAME_bd: NAME with --runtime-breakdown (suffix order NAME_torchcopy_nochain_bd);
 #    NAME_torchcopy: PyTorch's copy_ instead of the raw cudaMemcpyAsync (MCORE_OFFLOAD_RAW_COPY=0); NAME_nochain: one
 #    group per point (MCORE_OFFLOAD_CHAIN_POINTS=0; suffix order NAME_torchcopy_nochain); "experts" and
@@ -66,9 +68,11 @@ for rep in $(seq 1 "${REPS:-2}"); do
       case ${name%@old} in *_r2*) envs="$envs MCORE_OFFLOAD_RELOAD_LAYERS=2" ;; esac
       case ${name%@old} in *_coal*) envs="$envs MCORE_OFFLOAD_COALESCE_RELOADS=1" ;; esac
       case ${name%@old} in *_py*) envs="$envs MCORE_OFFLOAD_NATIVE=0" ;; *) envs="$envs MCORE_OFFLOAD_NATIVE=${NATIVE:-1}" ;; esac
-      case ${name%@old} in alt_*) alt="--alternate-offload --alternate-period ${ALT_PERIOD:-2}" ;; *) alt="" ;; esac
+      case ${name%@old} in alt_*) alt="--alternate-offload --alternate-period ${ALT_PERIOD:-2}" ;;
+        sw_*) alt="--alternate-runtime ${SWITCH:-flush_layers=4 reload_layers=2} --alternate-period ${ALT_PERIOD:-2}" ;;
+        *) alt="" ;; esac
       case ${name%@old} in *_bd) alt="$alt --runtime-breakdown" ;; esac
-      base=${name%@old}; base=${base//_wc/}; base=${base//_coal/}; base=${base//_py/}; base=${base//_f4/}; base=${base//_r2/}; base=${base#alt_}; base=${base%_bd}; base=${base%_nochain}; base=${base%_torchcopy}
+      base=${name%@old}; base=${base//_wc/}; base=${base//_coal/}; base=${base//_py/}; base=${base//_f4/}; base=${base//_r2/}; base=${base#alt_}; base=${base#sw_}; base=${base%_bd}; base=${base%_nochain}; base=${base%_torchcopy}
       case $base in baseline) flags="" ;; core_attn) flags=$OFF ;;
         hooks_only) flags="$OFF --min-offloaded-tensor-size 1000000000000" ;;
         attn) flags="--fine-grained-activation-offloading --offload-modules qkv_linear core_attn attn_proj" ;;
@@ -116,6 +120,12 @@ for stem, r in runs.items():
             print(f"  plain steps ({ps['plain_twos']} twos): even over odd {ps['even_over_odd_pct']} % "
                   f"{ps['even_over_odd_ci95_pct']}, first after an offloaded step over the next "
                   f"{ps['after_offloaded_pct']} % {ps['after_offloaded_ci95_pct']}")
+        sw = r.get("alternate_runtime")
+        if sw:
+            m = sw["medians"]
+            print(f"  settings {sw['settings']} against {sw['defaults']}: the overhead above is theirs over the "
+                  f"defaults; runtime host ms {m['runtime_cpu_ms']['test']} / {m['runtime_cpu_ms']['default']}, "
+                  f"stall ms {m['stall_ms']['test']} / {m['stall_ms']['default']}")
         hd = r.get("host_delay")
         if hd and alt.get("paired_overhead_pct") is not None:
             added = alt["paired_overhead_pct"] / 100 * alt["step_ms_off_median"]

@@ -1,0 +1,81 @@
+"""Two settings of our runtime timed in one process: ``pretrain_gpt.py --alternate-runtime KEY=VALUE ...``.
+
+Every step offloads; the even steps run with the given settings, the odd ones with the runtime's own (from the
+environment or its defaults), so the paired overhead of ``paired_steps.py`` is the given settings' cost over the
+defaults (negative: they are faster) under the same host drift, and the Δpeak is the defaults' peak less theirs.
+Separate processes on the GPU host differ by more than the few percent such a change is worth (session 23: two
+runs of one command read +6.0 and +11.5 % on one rank), so a setting is judged this way, not from two runs.
+
+Only settings the runtime reads afresh at every use, and that no state carries from one step to the next, can be
+switched between steps: the layers per copy-out burst (``flush_layers``, ``MCORE_OFFLOAD_FLUSH_LAYERS``) and per
+reload burst (``reload_layers``, ``MCORE_OFFLOAD_RELOAD_LAYERS``). Benchmark tooling only: the library never
+imports it.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+#: settings that may change between steps: the OffloadManager attribute each one sets
+SWITCHABLE = ("flush_layers", "reload_layers")
+
+
+def parse_settings(items: list[str]) -> dict[str, int]:
+    """``["flush_layers=4", "reload_layers=2"]`` -> ``{"flush_layers": 4, "reload_layers": 2}``; a bad item raises
+    ValueError with one sentence saying what to write instead."""
+    out: dict[str, int] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in SWITCHABLE:
+            raise ValueError(f"--alternate-runtime takes KEY=VALUE with KEY one of {', '.join(SWITCHABLE)}; "
+                             f"got {item!r}")
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"--alternate-runtime {key} must be a positive whole number of layers; got {value!r}")
+        if key in out:
+            raise ValueError(f"--alternate-runtime sets {key} twice; give each setting once")
+        out[key] = int(value)
+    if not out:
+        raise ValueError("--alternate-runtime needs at least one KEY=VALUE")
+    return out
+
+
+class RuntimeSwitch:
+    """Puts ``settings`` on the runtime's manager in the steps under test and its own values back in the others;
+    records what the manager held at each step's end (the check that nothing reset them mid-step)."""
+
+    def __init__(self, settings: dict[str, int]) -> None:
+        self.settings = dict(settings)
+        self.defaults: dict[str, int] | None = None
+        self.held: list[dict[str, int]] = []
+
+    @staticmethod
+    def _manager() -> Any:
+        from mcore_offload.runtime.manager import get_manager
+
+        return get_manager()
+
+    def start_step(self, under_test: bool) -> None:
+        manager = self._manager()
+        if self.defaults is None:
+            self.defaults = {key: getattr(manager, key) for key in self.settings}
+        for key, value in (self.settings if under_test else self.defaults).items():
+            setattr(manager, key, value)
+
+    def end_step(self) -> None:
+        manager = self._manager()
+        self.held.append({key: getattr(manager, key) for key in self.settings})
+
+    def as_dict(self, per_step: dict[str, list], under_test: list[bool], first: int) -> dict[str, Any]:
+        """What was switched, what each step held, and from step ``first`` on the medians of the runtime's per-step
+        series (``OffloadSummary.link_series``: every step offloads here, so its index is the step's) under the
+        settings (``test``) and under the defaults."""
+        medians: dict[str, dict[str, float | None]] = {}
+        for key in ("runtime_cpu_ms", "stall_ms", "d2h_GBps", "h2d_GBps"):
+            series = per_step.get(key, [])
+            for side, want in (("test", True), ("default", False)):
+                vals = [v for i, (v, t) in enumerate(zip(series, under_test)) if i >= first and t is want
+                        and v is not None]
+                medians.setdefault(key, {})[side] = statistics.median(vals) if vals else None
+        return {"settings": self.settings, "defaults": self.defaults, "held_per_step": self.held,
+                "medians": medians}
