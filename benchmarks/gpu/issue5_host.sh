@@ -82,9 +82,9 @@ for rep in $(seq 1 "${REPS:-2}"); do
         all5_hooks) flags="--fine-grained-activation-offloading --offload-modules qkv_linear core_attn attn_proj expert_fc1 moe_act --min-offloaded-tensor-size 1000000000000" ;;
         breakdown) flags="$OFF --runtime-breakdown" ;;
         experts_breakdown) flags="--fine-grained-activation-offloading --offload-modules expert_fc1 moe_act --runtime-breakdown" ;;
-        delayfwd) flags="--host-delay-us ${DELAY_US:-500} 0" ;;
-        dmaload) flags="--dma-load-mib ${DMA_MIB:-48} ${DMA_MIB:-48}" ;;
-        delaybwd) flags="--host-delay-us 0 ${DELAY_US:-500}" ;;
+        delayfwd) flags="--host-delay-us ${DELAY_US:-500} 0 --alternate-period ${ALT_PERIOD:-2}" ;;
+        dmaload) flags="--dma-load-mib ${DMA_MIB:-48} ${DMA_MIB:-48} --alternate-period ${ALT_PERIOD:-2}" ;;
+        delaybwd) flags="--host-delay-us 0 ${DELAY_US:-500} --alternate-period ${ALT_PERIOD:-2}" ;;
         hooks_breakdown) flags="$OFF --min-offloaded-tensor-size 1000000000000 --runtime-breakdown" ;; esac
       name=$name0
       i=$((i + 1)); tag=${name/@old/_old}; tag=${tag/@native/_native}-$bind-$rep
