@@ -295,6 +295,17 @@ def test_pretrain_gpt_alternate_runtime_switches_our_settings_between_offloaded_
     assert switched["defaults"] == {"flush_layers": 2, "reload_layers": 1}
     assert switched["held_per_step"] == [switched["settings"], switched["defaults"]] * 2 + [switched["settings"]]
     assert switched["medians"]["runtime_cpu_ms"]["test"] > 0 and switched["medians"]["runtime_cpu_ms"]["default"] > 0
+    # issue5_host.sh's summary (its Python, run here on this run's JSON) names the settings and both host times
+    script = (ROOT / "benchmarks" / "gpu" / "issue5_host.sh").read_text()
+    summary = script.split("<<'PY'\n", 1)[1].split("\nPY\n", 1)[0]
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    (runs / "sw_core_attn-none-1.json").write_text(json.dumps({"args": {}, "ranks": [ours]}))
+    proc = subprocess.run([sys.executable, "-", str(runs)], input=summary, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT / "benchmarks")})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "settings {'flush_layers': 1, 'reload_layers': 2} against {'flush_layers': 2, 'reload_layers': 1}" \
+        in proc.stdout
 
 
 @pytest.mark.parametrize("flags, says", [
