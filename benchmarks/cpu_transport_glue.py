@@ -39,12 +39,31 @@ logger = logging.getLogger("cpu_transport_glue")
 # Every entry point CudaRuntime binds, each returning success at once (events get distinct handles; every event is
 # complete when queried). Built with STUB_REAL_COPY, the copies are real (synchronous memcpy): tests run the raw
 # transport end to end on CPU tensors with it (tests/test_raw_transport_stub.py).
+# Built with STUB_LOG, it also logs every record, wait, query and copy in call order (stub_log: op, then up to five
+# arguments; tests/test_stream_order.py checks the hand-offs between streams from it).
 STUB_SOURCE = """
 #include <string.h>
-int cudaEventRecord(void* e, void* s) { return 0; }
-int cudaStreamWaitEvent(void* s, void* e, unsigned f) { return 0; }
-int cudaEventQuery(void* e) { return 0; }
+#ifdef STUB_LOG
+#define STUB_LOG_MAX (1 << 20)
+static long stub_log_rows[STUB_LOG_MAX][6];
+static long stub_log_n = 0;
+static void stub_note(long op, long a, long b, long c, long d, long e) {
+  if (stub_log_n < STUB_LOG_MAX) {
+    long* r = stub_log_rows[stub_log_n++];
+    r[0] = op; r[1] = a; r[2] = b; r[3] = c; r[4] = d; r[5] = e;
+  }
+}
+long stub_log_size(void) { return stub_log_n; }
+long* stub_log(void) { return &stub_log_rows[0][0]; }
+void stub_log_clear(void) { stub_log_n = 0; }
+#else
+#define stub_note(op, a, b, c, d, e)
+#endif
+int cudaEventRecord(void* e, void* s) { stub_note(1, (long)e, (long)s, 0, 0, 0); return 0; }
+int cudaStreamWaitEvent(void* s, void* e, unsigned f) { stub_note(2, (long)s, (long)e, 0, 0, 0); return 0; }
+int cudaEventQuery(void* e) { stub_note(3, (long)e, 0, 0, 0, 0); return 0; }
 int cudaMemcpyAsync(void* d, const void* s, unsigned long n, int k, void* st) {
+  stub_note(4, (long)d, (long)s, (long)n, k, (long)st);
 #ifdef STUB_REAL_COPY
   memcpy(d, s, n);
 #endif
@@ -64,17 +83,36 @@ def compiler() -> str | None:
     return shutil.which("cc") or shutil.which("gcc")
 
 
-def stub_runtime(workdir: Path, real_copies: bool = False) -> cudart.CudaRuntime:
-    """The stub CUDA runtime, compiled into ``workdir`` (``real_copies``: cudaMemcpyAsync copies, synchronously)."""
+def stub_runtime(workdir: Path, real_copies: bool = False, log: bool = False) -> cudart.CudaRuntime:
+    """The stub CUDA runtime, compiled into ``workdir`` (``real_copies``: cudaMemcpyAsync copies, synchronously;
+    ``log``: it logs its calls, read back with :func:`stub_calls`)."""
     cc = compiler()
     if cc is None:
         raise SystemExit("cpu_transport_glue.py needs a C compiler (cc or gcc) to build its stub CUDA runtime: "
                          "install one, or run it where one exists")
-    src, lib = workdir / "stub.c", workdir / ("libstubcudart_copy.so" if real_copies else "libstubcudart.so")
+    name = "libstubcudart" + ("_copy" if real_copies else "") + ("_log" if log else "") + ".so"
+    src, lib = workdir / "stub.c", workdir / name
     src.write_text(STUB_SOURCE)
-    subprocess.run([cc, "-O2", "-shared", "-fPIC", *(["-DSTUB_REAL_COPY"] if real_copies else []), "-o", str(lib),
-                    str(src)], check=True)
+    flags = (["-DSTUB_REAL_COPY"] if real_copies else []) + (["-DSTUB_LOG"] if log else [])
+    subprocess.run([cc, "-O2", "-shared", "-fPIC", *flags, "-o", str(lib), str(src)], check=True)
     return cudart.CudaRuntime(ctypes.CDLL(str(lib)))
+
+
+STUB_OPS = {1: "record", 2: "wait", 3: "query", 4: "copy"}
+
+
+def stub_calls(rt: cudart.CudaRuntime, clear: bool = True) -> list[tuple]:
+    """The calls a ``log`` stub runtime received, in order: ``("record", event, stream)``, ``("wait", stream,
+    event)``, ``("query", event)``, ``("copy", dst, src, nbytes, kind, stream)``."""
+    lib = rt._lib
+    lib.stub_log_size.restype = ctypes.c_long
+    lib.stub_log.restype = ctypes.POINTER(ctypes.c_long)
+    n, rows = lib.stub_log_size(), lib.stub_log()
+    width = {1: 2, 2: 2, 3: 1, 4: 5}
+    out = [(STUB_OPS[rows[6 * i]], *(rows[6 * i + 1 + k] for k in range(width[rows[6 * i]]))) for i in range(n)]
+    if clear:
+        lib.stub_log_clear()
+    return out
 
 
 class _NoStream:

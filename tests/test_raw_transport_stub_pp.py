@@ -1,7 +1,8 @@
 """The raw CUDA transport on the stub CUDA runtime (see tests/test_raw_transport_stub.py) under megatron-core's
 interleaved pipeline schedule: PP=2 x VPP=2, two gloo processes on CPU, dense and MoE points, with and without
 coalesced reloads (MCORE_OFFLOAD_COALESCE_RELOADS). The late reloads (``tail``), end_chunk's reloads and the
-turned-around chunks run here as in configuration D; each rank must match its run without offloading bit for bit."""
+turned-around chunks run here as in configuration D; each rank must match its run without offloading bit for bit,
+and every hand-off between streams in its logged CUDA calls must be ordered by events (tests/test_stream_order.py)."""
 
 from __future__ import annotations
 
@@ -36,20 +37,27 @@ def stub_pp_job(rank: int, world_size: int, lib: str, coalesce: str, moe: bool) 
     from mcore_offload.runtime import cudart
     from mcore_offload.runtime import transport as transport_module
     from mcore_offload.runtime.manager import reset
-    from mcore_offload.runtime.native import load_native
     from mcore_offload.summary import get_summary
+    from tests.harness.stream_order import hazards, host_ranges, logging_transport
 
     os.environ["MCORE_OFFLOAD_COALESCE_RELOADS"] = coalesce
     init_parallel(world_size, rank, pp=2, vpp=2)
     build = build_moe_gpt if moe else build_dense_gpt
     out: dict[str, Any] = {}
+    rt = cudart.CudaRuntime(ctypes.CDLL(lib))
     for key, overrides in (("base", None), ("offload", offload(*(MOE_POINTS if moe else DENSE_POINTS)))):
         reset()
-        raw = cpu_transport_glue.stub_transport(cudart.CudaRuntime(ctypes.CDLL(lib)), device_index=-1)
-        raw.native = load_native()
+        raw = logging_transport(rt, cpu_transport_glue)
         transport_module._TRANSPORTS[torch.device("cpu")] = raw
+        cpu_transport_glue.stub_calls(rt)  # this run's calls only
         chunks = build(num_layers=8, config_overrides=overrides)
         out[key] = run_steps(chunks, n_steps=STEPS, num_microbatches=4, seq_len=16, micro_batch_size=2, lr=0.1)
+    calls = cpu_transport_glue.stub_calls(rt)
+    out["hazards"] = hazards(calls, host_ranges(raw))[:5]
+    # copy-out waits on the side stream other than the fence: each reused buffer's last reload was already waited
+    # for by the compute stream, so none is needed
+    out["reuse_waits"] = sum(1 for c in calls if c[0] == "wait" and c[1] == raw._d2h_handle
+                             and c[2] != raw._d2h_fence.handle)
     last = get_summary().last_step
     out["bytes"] = {c: last.total(c) for c in ("offloaded", "released_in_forward", "reloaded", "reloaded_on_demand")}
     out["raw_ran"] = raw.pool.allocations > 0 and transport_module._TRANSPORTS.get(torch.device("cpu")) is raw
@@ -66,12 +74,13 @@ def test_interleaved_pp2_vpp2_over_the_raw_transport_bitwise_equal(tmp_path, coa
 
     if cpu_transport_glue.compiler() is None:
         pytest.skip("no C compiler for the stub CUDA runtime")
-    cpu_transport_glue.stub_runtime(tmp_path, real_copies=True)
-    lib = str(tmp_path / "libstubcudart_copy.so")
+    cpu_transport_glue.stub_runtime(tmp_path, real_copies=True, log=True)
+    lib = str(tmp_path / "libstubcudart_copy_log.so")
     results = run_multiprocess(stub_pp_job, 2, args=(lib, coalesce, moe), timeout_s=240)
     for r in results:
         assert r["raw_ran"] and r["coalesced"] == (coalesce == "1") and r["slices_left"] == 0
         assert_bitwise(r["base"], r["offload"])
+        assert r["hazards"] == [] and r["reuse_waits"] == 0
         b = r["bytes"]
         assert b["offloaded"] > 0 and b["released_in_forward"] == b["offloaded"] == b["reloaded"]
         assert b["reloaded_on_demand"] == 0

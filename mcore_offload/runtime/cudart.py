@@ -72,13 +72,15 @@ class RawEvent:
     the free list it came from: no wait can be enqueued on it any more, and a wait already enqueued stays bound
     to the record it saw (CUDA's rule), so recording it again later is safe."""
 
-    __slots__ = ("handle", "_rt", "_free", "seen_done")
+    __slots__ = ("handle", "_rt", "_free", "seen_done", "reload_seq")
 
     def __init__(self, rt: CudaRuntime, handle: int, free: list[int]) -> None:
         self.handle, self._rt, self._free = handle, rt, free
         # a query answered complete for this record (set by the transport): a stream waiting on it may skip the
         # wait. Per object: a recycled handle comes back in a new RawEvent, unseen.
         self.seen_done = False
+        # the reload burst (part) this event ends, numbered by the handler (Transport.wait_reload); None: not one
+        self.reload_seq: int | None = None
 
     def record(self, stream: int) -> None:
         err = self._rt.event_record(self.handle, stream)

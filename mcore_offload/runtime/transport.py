@@ -297,7 +297,9 @@ class RawCudaTransport(CoalescedReloads, CudaTransport):
 
     The same hand-offs, each guarded by an event: the side stream waits for the compute stream before reading a
     saved storage or writing a new block; an H2D waits for the D2H that filled its buffer; a reused host buffer
-    waits for the H2D that last read it; the compute stream waits for a reload before its first reader. Host
+    waits for the H2D that last read it (implied, and not made, where the compute stream already waited for that
+    reload: tests/test_stream_order.py checks every hand-off from the calls); the compute stream waits for a reload
+    before its first reader. Host
     buffers travel whole (no slice tensor): a burst needs only addresses and sizes. With
     ``MCORE_OFFLOAD_COALESCE_RELOADS=1`` a burst shares one buffer, in slices, and a group comes back with one copy
     (:class:`~mcore_offload.runtime.coalesce.CoalescedReloads`).
@@ -349,8 +351,9 @@ class RawCudaTransport(CoalescedReloads, CudaTransport):
         record, stream_wait = rt.event_record, rt.stream_wait
         d2h = self._d2h_handle
         fence = self._d2h_fence.handle
+        compute = self._compute_handle()
         # The saved tensors were produced on the compute stream: copy only after it reached this point.
-        err = record(fence, self._compute_handle()) or stream_wait(d2h, fence, 0)
+        err = record(fence, compute) or stream_wait(d2h, fence, 0)
         sizes = [storage.nbytes() for storage in storages]
         nbytes = sum(sizes)
         if self.coalesce and self.native is not None:
@@ -363,9 +366,13 @@ class RawCudaTransport(CoalescedReloads, CudaTransport):
                 bufs.append(buf)
                 events.append(event)
         waited = None
+        # A reused buffer's previous H2D must have read it before we overwrite it. Where the compute stream has
+        # already waited for that reload burst or a later one (wait_reload; one H2D stream runs the bursts in
+        # order), the fence above, recorded on that stream after its wait, orders this copy after the H2D: no
+        # call needed (about one a group otherwise).
+        ordered = self._waited_seq.get(compute, 0)
         for event in events:
-            if event is not None and event is not waited:
-                # A reused buffer's previous H2D must have read it before we overwrite it.
+            if event is not None and event is not waited and (event.reload_seq is None or event.reload_seq > ordered):
                 err = err or stream_wait(d2h, event.handle, 0)
                 waited = event
         if err:

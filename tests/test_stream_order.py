@@ -1,0 +1,121 @@
+"""Every hand-off between streams, checked from the CUDA calls themselves: the raw transport runs training steps on a
+stub CUDA runtime that logs each event record, cross-stream wait, event query and copy (``benchmarks/
+cpu_transport_glue.py``), and a happens-before replay of that log (``tests/harness/stream_order.py``: vector clocks
+over the three streams) asserts
+
+- a D2H copy into a host buffer comes after every H2D copy that read that buffer before (buffer reuse), and
+- an H2D copy from a host buffer comes after the D2H copy that filled it (upstream bug #7398).
+
+An event the stub answered complete to a query orders everything issued after the query: that is what the runtime
+may rely on (``seen_done``). The checker itself is tested on a log with one wait removed."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_runtime_unit import Toy, cfg, train_step
+
+from mcore_offload.runtime import manager as manager_module
+from mcore_offload.runtime import transport as transport_module
+from tests.harness.stream_order import D2H, H2D, hazards, host_ranges, logging_transport
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import cpu_transport_glue  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("hook_impl")
+
+
+def test_the_checker_finds_a_missing_wait():
+    """Buffer reuse: H2D reads B, compute waits for it, fence, D2H writes B (fine); without the compute's wait, not."""
+    base = [("copy", 0x100, 0x5000, 64, D2H, 1), ("record", 50, 1), ("wait", 2, 50),
+            ("copy", 0x5000, 0x100, 64, H2D, 2), ("record", 51, 2)]
+    tail = [("record", 8, 3), ("wait", 1, 8), ("copy", 0x100, 0x6000, 64, D2H, 1)]
+    assert hazards(base + [("wait", 3, 51)] + tail, [(0x100, 0x200)]) == []
+    assert hazards(base + tail, [(0x100, 0x200)]) == ["D2H into 0x100 not ordered after the H2D that read it"]
+    assert hazards([("copy", 0x5000, 0x100, 64, H2D, 2)], [(0x100, 0x200)]) == [
+        "H2D from 0x100 not ordered after the D2H that filled it"]
+    # a query that saw the D2H's event complete orders the H2D issued after it
+    assert hazards(base[:2] + [("query", 50), ("copy", 0x5000, 0x100, 64, H2D, 2)], [(0x100, 0x200)]) == []
+
+
+@pytest.fixture(scope="module")
+def logging_runtime(tmp_path_factory):
+    if cpu_transport_glue.compiler() is None:
+        pytest.skip("no C compiler for the stub CUDA runtime")
+    return cpu_transport_glue.stub_runtime(tmp_path_factory.mktemp("stub"), real_copies=True, log=True)
+
+
+@pytest.mark.parametrize("names, flush_layers", [(["core_attn"], "2"), (["qkv_linear", "core_attn", "attn_proj"], "1"),
+                                                 (["qkv_linear", "core_attn", "attn_proj"], "2")])
+def test_every_host_buffer_hand_off_is_ordered_by_events(monkeypatch, logging_runtime, names, flush_layers):
+    monkeypatch.setenv("MCORE_OFFLOAD_FLUSH_LAYERS", flush_layers)
+    manager_module.reset()
+    rt = logging_runtime
+    t = logging_transport(rt, cpu_transport_glue)
+    transport_module._TRANSPORTS[torch.device("cpu")] = t
+    cpu_transport_glue.stub_calls(rt)  # start from an empty log
+    model = Toy(cfg(*names), layers=6)
+    for step in range(4):
+        model.zero_grad()
+        train_step(model, [torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * step + i))
+                           for i in range(3)])
+    calls = cpu_transport_glue.stub_calls(rt)
+    host = host_ranges(t)
+    copies = [c for c in calls if c[0] == "copy"]
+    assert host and len(copies) > 50 and any(c[4] == H2D for c in copies)
+    assert hazards(calls, host) == []
+    # the buffer-reuse waits that the compute stream's own reload waits already imply are not made (one a group)
+    reuse_waits = sum(1 for c in calls if c[0] == "wait" and c[1] == t._d2h_handle and c[2] != t._d2h_fence.handle)
+    assert reuse_waits == 0
+
+
+def test_a_reused_buffer_waits_for_its_reload_unless_the_compute_stream_already_did(logging_runtime):
+    """The skipped buffer-reuse wait relies on the compute stream having waited for that reload burst (or a later
+    one): where it has not (a step that failed before the group's backward), the D2H still waits itself."""
+    rt = logging_runtime
+    t = logging_transport(rt, cpu_transport_glue)
+    cpu_transport_glue.stub_calls(rt)
+    first = torch.arange(64, dtype=torch.uint8)
+    bufs, _ = t.to_host([first.untyped_storage()], [first], [None])
+    t.release_copied()  # the host sees that copy complete: the reload below may skip its wait on it
+    _, events = t.to_device(bufs, [64], [None], torch.device("cpu"))
+    t.reload_seq += 1
+    events[0].reload_seq = t.reload_seq
+    t.release_host(bufs[0], events[0])  # the compute stream never waited for this reload
+    second = torch.zeros(64, dtype=torch.uint8)
+    again, _ = t.to_host([second.untyped_storage()], [second], [None])
+    assert again[0].data_ptr() == bufs[0].data_ptr()  # the same buffer, reused
+    calls = cpu_transport_glue.stub_calls(rt, clear=False)
+    host = [(bufs[0].data_ptr(), bufs[0].data_ptr() + bufs[0].numel())]
+    assert ("wait", t._d2h_handle, events[0].handle) in calls and hazards(calls, host) == []
+    seen = len(calls)
+    # once the compute stream has waited for that burst, the fence it records orders the next D2H: no wait
+    t.wait_reload(events[0], events[0].reload_seq)
+    t.release_copied()
+    _, events = t.to_device(again, [64], [None], torch.device("cpu"))
+    t.reload_seq += 1
+    events[0].reload_seq = t.reload_seq
+    t.wait_reload(events[0], t.reload_seq)
+    t.release_host(again[0], events[0])
+    third, _ = t.to_host([first.untyped_storage()], [first], [None])
+    calls = cpu_transport_glue.stub_calls(rt)
+    assert third[0].data_ptr() == bufs[0].data_ptr()
+    assert ("wait", t._d2h_handle, events[0].handle) not in calls[seen:] and hazards(calls, host) == []
+
+
+def test_cuda_call_count_benchmark_counts_per_layer_and_microbatch():
+    """benchmarks/cpu_cuda_calls.py: one copy-out and one reload burst per layer's group at least, fences on both
+    side streams, and on the copy-out stream no wait but the fence (the reuse waits are implied)."""
+    if cpu_transport_glue.compiler() is None:
+        pytest.skip("no C compiler for the stub CUDA runtime")
+    import cpu_cuda_calls
+
+    got = cpu_cuda_calls.count_calls("attention", layers=4, microbatches=2, experts=4)
+    for per in got.values():
+        assert per["copy on d2h"] > 0 and per["copy on h2d"] > 0 and per["wait on h2d (fence)"] > 0
+        assert [k for k in per if k.startswith("wait on d2h")] == ["wait on d2h (fence)"]
+        assert per["total"] == pytest.approx(sum(v for k, v in per.items() if k != "total"), abs=0.01)
+    assert got["timed"]["total"] > got["untimed"]["total"]  # the telemetry's marks, in timed steps only
