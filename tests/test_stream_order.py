@@ -82,8 +82,8 @@ def test_a_reused_buffer_waits_for_its_reload_unless_the_compute_stream_already_
     bufs, _ = t.to_host([first.untyped_storage()], [first], [None])
     t.release_copied()  # the host sees that copy complete: the reload below may skip its wait on it
     _, events = t.to_device(bufs, [64], [None], torch.device("cpu"))
-    t.reload_seq += 1
-    events[0].reload_seq = t.reload_seq
+    t.reload_seq += 1  # as the handler numbers the burst
+    assert events[0].reload_seq == t.reload_seq
     t.release_host(bufs[0], events[0])  # the compute stream never waited for this reload
     second = torch.zeros(64, dtype=torch.uint8)
     again, _ = t.to_host([second.untyped_storage()], [second], [None])
@@ -97,13 +97,26 @@ def test_a_reused_buffer_waits_for_its_reload_unless_the_compute_stream_already_
     t.release_copied()
     _, events = t.to_device(again, [64], [None], torch.device("cpu"))
     t.reload_seq += 1
-    events[0].reload_seq = t.reload_seq
     t.wait_reload(events[0], t.reload_seq)
     t.release_host(again[0], events[0])
     third, _ = t.to_host([first.untyped_storage()], [first], [None])
     calls = cpu_transport_glue.stub_calls(rt)
     assert third[0].data_ptr() == bufs[0].data_ptr()
     assert ("wait", t._d2h_handle, events[0].handle) not in calls[seen:] and hazards(calls, host) == []
+
+
+def test_reload_events_carry_the_numbers_the_handler_gives_their_parts(logging_runtime):
+    """to_device numbers each part's done event as the handler numbers the part right after (reload_seq + 1, + 2, ...;
+    tests/test_native_copy_out.py checks the handler's side), which to_host's reuse check compares."""
+    t = logging_transport(logging_runtime, cpu_transport_glue)
+    data = [torch.full((n,), n, dtype=torch.uint8) for n in (16, 32, 8)]
+    bufs, _ = t.to_host([d.untyped_storage() for d in data], data, [None] * 3)
+    t.release_copied()
+    t.reload_seq = 5
+    _, events = t.to_device(bufs, [16, 32, 8], [None] * 3, torch.device("cpu"), parts=[1, 2])
+    assert [e.reload_seq for e in events] == [6, 7]
+    _, events = t.to_device(bufs, [16, 32, 8], [None] * 3, torch.device("cpu"))
+    assert [e.reload_seq for e in events] == [6]  # the handler had not numbered the burst above: 6 again
 
 
 def test_cuda_call_count_benchmark_counts_per_layer_and_microbatch():

@@ -79,7 +79,7 @@ class RawEvent:
         # a query answered complete for this record (set by the transport): a stream waiting on it may skip the
         # wait. Per object: a recycled handle comes back in a new RawEvent, unseen.
         self.seen_done = False
-        # the reload burst (part) this event ends, numbered by the handler (Transport.wait_reload); None: not one
+        # the reload burst (part) this event ends, as the handler numbers them (Transport.wait_reload); None: not one
         self.reload_seq: int | None = None
 
     def record(self, stream: int) -> None:

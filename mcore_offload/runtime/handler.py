@@ -431,8 +431,6 @@ class ChunkOffloadHandler(HandlerBase):
         for part, event in zip(parts if len(parts) > 1 else [len(todo)], events):
             transport.reload_seq += 1
             seq = transport.reload_seq
-            if event is not None:
-                event.reload_seq = seq  # RawCudaTransport.to_host: a later writer of these buffers may skip its wait
             for entry in todo[i:i + part]:
                 entry.device_storage, entry.h2d_event, entry.h2d_seq = storages[i], event, seq
                 entry.compute_waited = False

@@ -418,6 +418,10 @@ class RawCudaTransport(CoalescedReloads, CudaTransport):
             else:
                 events.append(self._copy_burst(out[first:end], hosts[first:end], sizes[first:end], HOST_TO_DEVICE,
                                                h2d))
+            # The number the handler gives this part right after (reload_seq + 1 per part, in order: wait_reload),
+            # for to_host's reuse check. Were it not given (a failed reload), a later burst takes the same number:
+            # a later burst on this stream, so waiting for it still covers this one.
+            events[-1].reload_seq = self.reload_seq + 1 + p
             first = end
         self._last_h2d_done = events[-1]
         self.telemetry.span("h2d", start, events[-1], sum(sizes), keep_end=True)

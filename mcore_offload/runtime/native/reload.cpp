@@ -162,8 +162,6 @@ PyObject* module_reload(PyObject*, PyObject* args) {
     PyObject* seq = ok ? PyObject_GetAttr(transport, s_reload_seq) : nullptr;
     ok = seq != nullptr;
     PyObject* event = ok ? PyList_GET_ITEM(events, static_cast<Py_ssize_t>(p)) : nullptr;
-    // event.reload_seq = seq (RawCudaTransport.to_host: a later writer of these buffers may skip its wait)
-    if (ok && event != Py_None) ok = PyObject_SetAttr(event, s_reload_seq, seq) == 0;
     for (Py_ssize_t k = 0; ok && k < parts[p]; ++k, ++i) {
       PyObject* e = todo[i];
       ok = PyObject_SetAttr(e, s_device_storage, PyList_GET_ITEM(storages, static_cast<Py_ssize_t>(i))) == 0 &&
