@@ -171,6 +171,7 @@ def _raw_transport(native_impl: str):
     t = object.__new__(RawCudaTransport)
     t.rt = _FakeRuntime()
     t._held = deque()
+    t.reload_seq = 0  # to_device numbers its parts' done events from it
     t._h2d_handle, t._h2d_fence = H2D, SimpleNamespace(handle="fence")
     t.telemetry = LinkTelemetry(None)
     t._compute_handle = lambda: "compute"
