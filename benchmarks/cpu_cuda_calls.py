@@ -21,14 +21,13 @@ import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cpu_transport_glue  # noqa: E402
-from cpu_grouped_layer import AttentionChunk, ExpertChunk  # noqa: E402
+from cpu_grouped_layer import build_pattern, points_config  # noqa: E402
 
 from mcore_offload.runtime import points  # noqa: E402
 from mcore_offload.runtime import transport as transport_module  # noqa: E402
@@ -61,16 +60,8 @@ def count_calls(pattern: str, layers: int, microbatches: int, experts: int, step
     t.native = load_native()
     t.telemetry = transport_module.LinkTelemetry(t._timed_events.get, every=4)
     transport_module._TRANSPORTS[torch.device("cpu")] = t
-    if pattern == "grouped":
-        model: torch.nn.Module = ExpertChunk(layers, experts)
-        x = torch.randn(experts * 8, 8, requires_grad=True)
-        modules = ["expert_fc1", "moe_act"]
-    else:
-        model = AttentionChunk(layers, 16)
-        x = torch.randn(64, 16, requires_grad=True)
-        modules = ["core_attn"]
-    config = SimpleNamespace(fine_grained_activation_offloading=True, offload_modules=modules,
-                             min_offloaded_tensor_size=1, recompute_granularity=None, recompute_modules=None)
+    model, x, modules = build_pattern(pattern, layers, experts)
+    config = points_config(modules, True)
     fences = {t._d2h_fence.handle, t._h2d_fence.handle}
     out: dict[str, dict[str, float]] = {}
     cpu_transport_glue.stub_calls(rt)

@@ -108,6 +108,20 @@ class ExpertChunk(torch.nn.Module):
         return points.commit("moe_act", config, y)
 
 
+def build_pattern(pattern: str, layers: int, experts: int) -> tuple[torch.nn.Module, torch.Tensor, list[str]]:
+    """The chunk of ``pattern`` (``grouped`` or ``attention``), its input and the offload points it has."""
+    if pattern == "grouped":
+        return ExpertChunk(layers, experts), torch.randn(experts * 8, 8, requires_grad=True), ["expert_fc1",
+                                                                                              "moe_act"]
+    return AttentionChunk(layers, 16), torch.randn(64, 16, requires_grad=True), ["core_attn"]
+
+
+def points_config(modules: list[str], on: bool) -> SimpleNamespace:
+    """The TransformerConfig fields the offload points read."""
+    return SimpleNamespace(fine_grained_activation_offloading=on, offload_modules=modules, min_offloaded_tensor_size=1,
+                           recompute_granularity=None, recompute_modules=None)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pattern", choices=["grouped", "attention"], default="grouped")
@@ -121,25 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("mcore_offload").setLevel(logging.WARNING)  # no per-step summary lines
     torch.set_num_threads(1)
     reset()
-    if args.pattern == "grouped":
-        model: torch.nn.Module = ExpertChunk(args.layers, args.experts)
-        x = torch.randn(args.experts * 8, 8, requires_grad=True)
-        modules = ["expert_fc1", "moe_act"]
-    else:
-        model = AttentionChunk(args.layers, 16)
-        x = torch.randn(64, 16, requires_grad=True)
-        modules = ["core_attn"]
-
-    def config(on: bool) -> SimpleNamespace:
-        return SimpleNamespace(fine_grained_activation_offloading=on, offload_modules=modules,
-                               min_offloaded_tensor_size=1, recompute_granularity=None, recompute_modules=None)
+    model, x, modules = build_pattern(args.pattern, args.layers, args.experts)
 
     def step(cfg: SimpleNamespace) -> float:
         t0 = time.perf_counter()
         points.step_boundary(lambda: [model(x, cfg).sum().backward() for _ in range(args.microbatches)])()
         return time.perf_counter() - t0
 
-    on, off = config(True), config(False)
+    on, off = points_config(modules, True), points_config(modules, False)
     warmup = max(args.pairs // 20, 1)
     diffs = []
     for i in range(args.pairs + warmup):
