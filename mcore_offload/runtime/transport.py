@@ -299,10 +299,9 @@ class RawCudaTransport(CoalescedReloads, CudaTransport):
     saved storage or writing a new block; an H2D waits for the D2H that filled its buffer; a reused host buffer
     waits for the H2D that last read it (implied, and not made, where the compute stream already waited for that
     reload: tests/test_stream_order.py checks every hand-off from the calls); the compute stream waits for a reload
-    before its first reader. Host
-    buffers travel whole (no slice tensor): a burst needs only addresses and sizes. With
-    ``MCORE_OFFLOAD_COALESCE_RELOADS=1`` a burst shares one buffer, in slices, and a group comes back with one copy
-    (:class:`~mcore_offload.runtime.coalesce.CoalescedReloads`).
+    before its first reader. Host buffers travel whole (no slice tensor): a burst needs only addresses and sizes.
+    With ``MCORE_OFFLOAD_COALESCE_RELOADS=1`` a burst shares one buffer, in slices, and a group comes back with one
+    copy (:class:`~mcore_offload.runtime.coalesce.CoalescedReloads`).
     """
 
     def __init__(self, device: torch.device, runtime: CudaRuntime) -> None:
