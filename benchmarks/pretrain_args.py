@@ -72,7 +72,8 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
            "host drift; JSON 'alternation': paired overhead with a 95%% interval, Δpeak")
     a("--alternate-runtime", nargs="+", default=None, metavar="KEY=VALUE",
       help="ours: every step offloads, the offloaded steps of the alternation with these runtime settings "
-           "(flush_layers, reload_layers) and the others with the runtime's own (benchmarks/runtime_switch.py): "
+           "(flush_layers=N, reload_layers=N, prefetch=layer|tail|late) and the others with the runtime's own "
+           "(benchmarks/runtime_switch.py): "
            "JSON 'alternation' is their cost over the defaults, 'alternate_runtime' what each step held")
     a("--alternate-period", type=int, default=2, choices=(2, 3),
       help="with --alternate-offload, --host-delay-us or --dma-load-mib: one step in N is the offloaded (delayed, "

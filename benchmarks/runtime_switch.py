@@ -8,8 +8,9 @@ runs of one command read +6.0 and +11.5 % on one rank), so a setting is judged t
 
 Only settings the runtime reads afresh at every use, and that no state carries from one step to the next, can be
 switched between steps: the layers per copy-out burst (``flush_layers``, ``MCORE_OFFLOAD_FLUSH_LAYERS``) and per
-reload burst (``reload_layers``, ``MCORE_OFFLOAD_RELOAD_LAYERS``). Benchmark tooling only: the library never
-imports it.
+reload burst (``reload_layers``, ``MCORE_OFFLOAD_RELOAD_LAYERS``), and when backward reloads the layer below
+(``prefetch``, ``MCORE_OFFLOAD_PREFETCH``: ``layer``, ``tail`` or ``late``; Δpeak against reload stall). Benchmark
+tooling only: the library never imports it.
 """
 
 from __future__ import annotations
@@ -17,24 +18,29 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-#: settings that may change between steps: the OffloadManager attribute each one sets
-SWITCHABLE = ("flush_layers", "reload_layers")
+#: settings that may change between steps (each the OffloadManager attribute it sets), and their values: None for a
+#: positive whole number of layers, else the words allowed
+SWITCHABLE: dict[str, tuple[str, ...] | None] = {"flush_layers": None, "reload_layers": None,
+                                                 "prefetch": ("layer", "tail", "late")}
 
 
-def parse_settings(items: list[str]) -> dict[str, int]:
-    """``["flush_layers=4", "reload_layers=2"]`` -> ``{"flush_layers": 4, "reload_layers": 2}``; a bad item raises
+def parse_settings(items: list[str]) -> dict[str, int | str]:
+    """``["flush_layers=4", "prefetch=late"]`` -> ``{"flush_layers": 4, "prefetch": "late"}``; a bad item raises
     ValueError with one sentence saying what to write instead."""
-    out: dict[str, int] = {}
+    out: dict[str, int | str] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or key not in SWITCHABLE:
             raise ValueError(f"--alternate-runtime takes KEY=VALUE with KEY one of {', '.join(SWITCHABLE)}; "
                              f"got {item!r}")
-        if not value.isdigit() or int(value) < 1:
+        words = SWITCHABLE[key]
+        if words is None and (not value.isdigit() or int(value) < 1):
             raise ValueError(f"--alternate-runtime {key} must be a positive whole number of layers; got {value!r}")
+        if words is not None and value not in words:
+            raise ValueError(f"--alternate-runtime {key} must be one of {', '.join(words)}; got {value!r}")
         if key in out:
             raise ValueError(f"--alternate-runtime sets {key} twice; give each setting once")
-        out[key] = int(value)
+        out[key] = int(value) if words is None else value
     if not out:
         raise ValueError("--alternate-runtime needs at least one KEY=VALUE")
     return out
@@ -44,10 +50,10 @@ class RuntimeSwitch:
     """Puts ``settings`` on the runtime's manager in the steps under test and its own values back in the others;
     records what the manager held at each step's end (the check that nothing reset them mid-step)."""
 
-    def __init__(self, settings: dict[str, int]) -> None:
+    def __init__(self, settings: dict[str, int | str]) -> None:
         self.settings = dict(settings)
-        self.defaults: dict[str, int] | None = None
-        self.held: list[dict[str, int]] = []
+        self.defaults: dict[str, int | str] | None = None
+        self.held: list[dict[str, int | str]] = []
 
     @staticmethod
     def _manager() -> Any:

@@ -286,13 +286,14 @@ def test_pretrain_gpt_alternate_runtime_switches_our_settings_between_offloaded_
     """--alternate-runtime: every step offloads, the even ones with the given settings, the odd ones with the
     runtime's own; the loss is the baseline's and each step held what it was given."""
     base, ours = tiny_base_and_ours(tmp_path, 29639, ["--train-iters", "5", "--warmup-steps", "1"],
-                                    ["core_attn", "--alternate-runtime", "flush_layers=1", "reload_layers=2"])
+                                    ["core_attn", "--alternate-runtime", "flush_layers=1", "reload_layers=2",
+                                     "prefetch=late"])
     assert ours["loss_hex"] == base["loss_hex"]
     assert ours["alternation"]["on_steps"] == [True, False, True, False, True]
     assert ours["offload"]["steps"] == 5  # every step offloaded
     switched = ours["alternate_runtime"]
-    assert switched["settings"] == {"flush_layers": 1, "reload_layers": 2}
-    assert switched["defaults"] == {"flush_layers": 2, "reload_layers": 1}
+    assert switched["settings"] == {"flush_layers": 1, "reload_layers": 2, "prefetch": "late"}
+    assert switched["defaults"] == {"flush_layers": 2, "reload_layers": 1, "prefetch": "tail"}
     assert switched["held_per_step"] == [switched["settings"], switched["defaults"]] * 2 + [switched["settings"]]
     assert switched["medians"]["runtime_cpu_ms"]["test"] > 0 and switched["medians"]["runtime_cpu_ms"]["default"] > 0
     # issue5_host.sh's summary (its Python, run here on this run's JSON) names the settings and both host times
@@ -304,14 +305,15 @@ def test_pretrain_gpt_alternate_runtime_switches_our_settings_between_offloaded_
     proc = subprocess.run([sys.executable, "-", str(runs)], input=summary, capture_output=True, text=True,
                           timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT / "benchmarks")})
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "settings {'flush_layers': 1, 'reload_layers': 2} against {'flush_layers': 2, 'reload_layers': 1}" \
-        in proc.stdout
+    assert ("settings {'flush_layers': 1, 'reload_layers': 2, 'prefetch': 'late'} against {'flush_layers': 2, "
+            "'reload_layers': 1, 'prefetch': 'tail'}") in proc.stdout
 
 
 @pytest.mark.parametrize("flags, says", [
     (["--alternate-runtime", "flush_layers=4"], "add --fine-grained-activation-offloading"),
-    (["--fine-grained-activation-offloading", "--alternate-runtime", "prefetch=late"], "KEY one of flush_layers"),
+    (["--fine-grained-activation-offloading", "--alternate-runtime", "chain_points=0"], "KEY one of flush_layers"),
     (["--fine-grained-activation-offloading", "--alternate-runtime", "flush_layers=0"], "positive whole number"),
+    (["--fine-grained-activation-offloading", "--alternate-runtime", "prefetch=early"], "one of layer, tail, late"),
     (["--fine-grained-activation-offloading", "--alternate-runtime", "flush_layers=2", "flush_layers=4"], "twice"),
     (["--fine-grained-activation-offloading", "--alternate-offload", "--alternate-runtime", "flush_layers=4"],
      "use one of them per run"),
