@@ -32,7 +32,6 @@ from cpu_grouped_layer import build_pattern, points_config  # noqa: E402
 from mcore_offload.runtime import points  # noqa: E402
 from mcore_offload.runtime import transport as transport_module  # noqa: E402
 from mcore_offload.runtime.manager import reset  # noqa: E402
-from mcore_offload.runtime.native import load_native  # noqa: E402
 
 logger = logging.getLogger("cpu_cuda_calls")
 
@@ -56,9 +55,7 @@ def count_calls(pattern: str, layers: int, microbatches: int, experts: int, step
     reset()
     workdir = Path(tempfile.mkdtemp(prefix="cuda_calls_"))
     rt = cpu_transport_glue.stub_runtime(workdir, real_copies=True, log=True)
-    t = cpu_transport_glue.stub_transport(rt, device_index=-1)
-    t.native = load_native()
-    t.telemetry = transport_module.LinkTelemetry(t._timed_events.get, every=4)
+    t = cpu_transport_glue.stub_transport(rt, device_index=-1, native=True, timed_from_start=True)
     transport_module._TRANSPORTS[torch.device("cpu")] = t
     model, x, modules = build_pattern(pattern, layers, experts)
     config = points_config(modules, True)

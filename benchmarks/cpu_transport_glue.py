@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import collections
 import ctypes
+import itertools
 import json
 import logging
 import shutil
@@ -122,9 +123,13 @@ class _NoStream:
         return None
 
 
-def stub_transport(rt: cudart.CudaRuntime, device_index: int = 0) -> transport_module.RawCudaTransport:
+def stub_transport(rt: cudart.CudaRuntime, device_index: int = 0, native: bool = False,
+                   timed_from_start: bool = False) -> transport_module.RawCudaTransport:
     """A RawCudaTransport over CPU memory on the stub runtime, built without CUDA streams (its constructor needs a
-    GPU). ``device_index`` -1: the C++ reload allocations make CPU storages (0 would ask for CUDA ones)."""
+    GPU). ``device_index`` -1: the C++ reload allocations make CPU storages (0 would ask for CUDA ones).
+    ``native``: with the C++ copy loop and reload allocations. ``timed_from_start``: the link telemetry times steps
+    0-3 and every 4th, as on the GPU (else the first step is untimed, as three in four are). Events get distinct
+    handles, recycled when their last reference goes, as on the GPU (a replay of the calls tells them apart)."""
     t = object.__new__(transport_module.RawCudaTransport)
     transport_module.Transport.__init__(t)
     t.pool = HostBufferPool(pin=False)
@@ -132,15 +137,16 @@ def stub_transport(rt: cudart.CudaRuntime, device_index: int = 0) -> transport_m
     t.d2h_stream = t.h2d_stream = _NoStream()
     t.rt, t._memcpy = rt, rt.memcpy
     t._timed_events = cudart.EventPool(rt, 0, timed=True)
-    pool = t._timed_events
-    t._timed_events.get = lambda: cudart.RawEvent(rt, pool.free.pop() if pool.free else 7, pool.free)
+    free, handles = t._timed_events.free, itertools.count(100)
+    t._timed_events.get = lambda: cudart.RawEvent(rt, free.pop() if free else next(handles), free)
     t.telemetry = LinkTelemetry(t._timed_events.get, every=4)
-    t.telemetry.timing = False  # an untimed step, as three in four are
+    t.telemetry.timing = timed_from_start
     t._d2h_fence, t._h2d_fence = cudart.RawEvent(rt, 8, []), cudart.RawEvent(rt, 9, [])
     t._d2h_handle, t._h2d_handle = 1, 2
     t._held, t._streams = collections.deque(), {}
     t.coalesce, t._slices_left, t._last_h2d_done = transport_module.coalesce_reloads(), {}, None
     t._compute_handle = lambda: 3
+    t.native = load_native() if native else None
     return t
 
 

@@ -14,7 +14,6 @@ from test_runtime_unit import Toy, cfg, train_step
 
 from mcore_offload.runtime import manager as manager_module
 from mcore_offload.runtime import transport as transport_module
-from mcore_offload.runtime.native import load_native
 from mcore_offload.summary import get_summary
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -63,9 +62,8 @@ def test_the_raw_transport_on_the_stub_runtime_moves_the_same_bytes_with_equal_v
     base = _train([])
     plain = _train(names)
     plain_counters = _counters()
-    raw = cpu_transport_glue.stub_transport(copying_runtime, device_index=-1)
-    raw.native = load_native()  # the C++ copy loop and reload allocations where the hook_impl fixture builds them
-    raw.telemetry.timing = True  # steps 0-3 are timed, as on the GPU
+    # the C++ copy loop and reload allocations where the hook_impl fixture builds them; steps 0-3 timed, as on the GPU
+    raw = cpu_transport_glue.stub_transport(copying_runtime, device_index=-1, native=True, timed_from_start=True)
     bursts = {"to_host": 0, "to_device": 0, "h2d_copies": 0, "reloaded_storages": 0}
     real_copy_burst = transport_module.RawCudaTransport._copy_burst
     real_to_device = transport_module.RawCudaTransport.to_device

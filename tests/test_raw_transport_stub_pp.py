@@ -38,7 +38,7 @@ def stub_pp_job(rank: int, world_size: int, lib: str, coalesce: str, moe: bool) 
     from mcore_offload.runtime import transport as transport_module
     from mcore_offload.runtime.manager import reset
     from mcore_offload.summary import get_summary
-    from tests.harness.stream_order import hazards, host_ranges, logging_transport
+    from tests.harness.stream_order import hazards, host_ranges, reuse_waits
 
     os.environ["MCORE_OFFLOAD_COALESCE_RELOADS"] = coalesce
     init_parallel(world_size, rank, pp=2, vpp=2)
@@ -47,17 +47,15 @@ def stub_pp_job(rank: int, world_size: int, lib: str, coalesce: str, moe: bool) 
     rt = cudart.CudaRuntime(ctypes.CDLL(lib))
     for key, overrides in (("base", None), ("offload", offload(*(MOE_POINTS if moe else DENSE_POINTS)))):
         reset()
-        raw = logging_transport(rt, cpu_transport_glue)
+        raw = cpu_transport_glue.stub_transport(rt, -1, native=True, timed_from_start=True)
         transport_module._TRANSPORTS[torch.device("cpu")] = raw
         cpu_transport_glue.stub_calls(rt)  # this run's calls only
         chunks = build(num_layers=8, config_overrides=overrides)
         out[key] = run_steps(chunks, n_steps=STEPS, num_microbatches=4, seq_len=16, micro_batch_size=2, lr=0.1)
     calls = cpu_transport_glue.stub_calls(rt)
     out["hazards"] = hazards(calls, host_ranges(raw))[:5]
-    # copy-out waits on the side stream other than the fence: each reused buffer's last reload was already waited
-    # for by the compute stream, so none is needed
-    out["reuse_waits"] = sum(1 for c in calls if c[0] == "wait" and c[1] == raw._d2h_handle
-                             and c[2] != raw._d2h_fence.handle)
+    # each reused buffer's last reload was already waited for by the compute stream, so no reuse wait is needed
+    out["reuse_waits"] = reuse_waits(calls, raw)
     last = get_summary().last_step
     out["bytes"] = {c: last.total(c) for c in ("offloaded", "released_in_forward", "reloaded", "reloaded_on_demand")}
     out["raw_ran"] = raw.pool.allocations > 0 and transport_module._TRANSPORTS.get(torch.device("cpu")) is raw

@@ -20,7 +20,7 @@ from test_runtime_unit import Toy, cfg, train_step
 
 from mcore_offload.runtime import manager as manager_module
 from mcore_offload.runtime import transport as transport_module
-from tests.harness.stream_order import D2H, H2D, hazards, host_ranges, logging_transport
+from tests.harness.stream_order import D2H, H2D, hazards, host_ranges, reuse_waits
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import cpu_transport_glue  # noqa: E402
@@ -54,7 +54,7 @@ def test_every_host_buffer_hand_off_is_ordered_by_events(monkeypatch, logging_ru
     monkeypatch.setenv("MCORE_OFFLOAD_FLUSH_LAYERS", flush_layers)
     manager_module.reset()
     rt = logging_runtime
-    t = logging_transport(rt, cpu_transport_glue)
+    t = cpu_transport_glue.stub_transport(rt, -1, native=True, timed_from_start=True)
     transport_module._TRANSPORTS[torch.device("cpu")] = t
     cpu_transport_glue.stub_calls(rt)  # start from an empty log
     model = Toy(cfg(*names), layers=6)
@@ -68,15 +68,14 @@ def test_every_host_buffer_hand_off_is_ordered_by_events(monkeypatch, logging_ru
     assert host and len(copies) > 50 and any(c[4] == H2D for c in copies)
     assert hazards(calls, host) == []
     # the buffer-reuse waits that the compute stream's own reload waits already imply are not made (one a group)
-    reuse_waits = sum(1 for c in calls if c[0] == "wait" and c[1] == t._d2h_handle and c[2] != t._d2h_fence.handle)
-    assert reuse_waits == 0
+    assert reuse_waits(calls, t) == 0
 
 
 def test_a_reused_buffer_waits_for_its_reload_unless_the_compute_stream_already_did(logging_runtime):
     """The skipped buffer-reuse wait relies on the compute stream having waited for that reload burst (or a later
     one): where it has not (a step that failed before the group's backward), the D2H still waits itself."""
     rt = logging_runtime
-    t = logging_transport(rt, cpu_transport_glue)
+    t = cpu_transport_glue.stub_transport(rt, -1, native=True, timed_from_start=True)
     cpu_transport_glue.stub_calls(rt)
     first = torch.arange(64, dtype=torch.uint8)
     bufs, _ = t.to_host([first.untyped_storage()], [first], [None])
@@ -108,7 +107,7 @@ def test_a_reused_buffer_waits_for_its_reload_unless_the_compute_stream_already_
 def test_reload_events_carry_the_numbers_the_handler_gives_their_parts(logging_runtime):
     """to_device numbers each part's done event as the handler numbers the part right after (reload_seq + 1, + 2, ...;
     tests/test_native_copy_out.py checks the handler's side), which to_host's reuse check compares."""
-    t = logging_transport(logging_runtime, cpu_transport_glue)
+    t = cpu_transport_glue.stub_transport(logging_runtime, -1, native=True, timed_from_start=True)
     data = [torch.full((n,), n, dtype=torch.uint8) for n in (16, 32, 8)]
     bufs, _ = t.to_host([d.untyped_storage() for d in data], data, [None] * 3)
     t.release_copied()
