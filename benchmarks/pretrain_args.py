@@ -79,6 +79,10 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
       help="with --alternate-offload, --host-delay-us or --dma-load-mib: one step in N is the offloaded (delayed, "
            "loaded) one. 3 puts those steps on even and odd steps in turn, so an effect of a step's parity cancels, "
            "and reports that effect from the plain steps (JSON 'alternation' 'plain_steps'); 2 has more pairs")
+    a("--offload-paused", action="store_true",
+      help="ours: every step runs inside mcore_offload.paused(), so the patches and the runtime are in place and "
+           "nothing is offloaded: against a run without --fine-grained-activation-offloading, what their presence "
+           "costs a step")
     a("--host-delay-us", type=float, nargs=2, default=None, metavar=("FWD", "BWD"),
       help="every other step, spin FWD us at each transformer layer's forward and BWD us at its backward "
            "(benchmarks/host_delay.py): the paired overhead over the delay is the host time the step exposes; "
@@ -102,6 +106,10 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     if sum(map(bool, (args.alternate_offload, args.host_delay_us, args.dma_load_mib, args.alternate_runtime))) > 1:
         p.error("--alternate-offload, --alternate-runtime, --host-delay-us and --dma-load-mib each alternate steps "
                 "themselves: use one of them per run")
+    if args.offload_paused and (args.alternate_offload or args.alternate_runtime
+                                or not args.fine_grained_activation_offloading):
+        p.error("--offload-paused keeps our runtime idle in every step: use it with --fine-grained-activation-"
+                "offloading and --offload-modules, without --alternate-offload or --alternate-runtime")
     if args.alternate_runtime:
         from runtime_switch import parse_settings
 

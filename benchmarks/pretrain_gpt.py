@@ -271,6 +271,9 @@ def main(argv=None) -> int:
     alternate = args.alternate_offload or bool(args.host_delay_us) or bool(args.dma_load_mib) \
         or bool(args.alternate_runtime)
     switch = None  # --alternate-runtime: our runtime's settings, switched between steps
+    if args.offload_paused and not ours:
+        raise SystemExit("--offload-paused idles mcore_offload's runtime: run it on megatron-core 0.15 with our "
+                         "patches")
     if args.alternate_runtime:
         if not ours:
             raise SystemExit("--alternate-runtime switches mcore_offload's settings: run it on megatron-core 0.15 "
@@ -369,7 +372,7 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
             if alternate:  # every step's own peak (the step-1 peak above is still read as usual)
                 torch.cuda.reset_peak_memory_stats()
-        on_steps.append(not alternate or step % args.alternate_period == 0)
+        on_steps.append(not args.offload_paused and (not alternate or step % args.alternate_period == 0))
         if side_load is not None:
             side_load.active = on_steps[-1]
         if switch is not None:
@@ -378,7 +381,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         if syncs is not None:
             syncs.start_step()
-        plain = args.alternate_offload and not on_steps[-1]
+        plain = (args.alternate_offload and not on_steps[-1]) or args.offload_paused
         with (native_pause.paused() if native_pause is not None else mcore_offload.paused()) if plain \
                 else contextlib.nullcontext():
             out = run_schedule(args, chunks, fb, data, forward_only=False)

@@ -273,12 +273,21 @@ def test_pretrain_gpt_alternate_offload_pauses_every_odd_step_and_keeps_the_loss
     assert third["alternation"]["on_steps"] == [True, False, False, True, False, False, True, False]
     assert third["offload"]["steps"] == 3
     assert third["alternation"]["pairs"] == 1  # steps 3 and 6, of opposite parity, make one value
+    # --offload-paused: the runtime in place and idle in every step: the baseline's losses, no step offloads
+    idle = tiny_run(tmp_path / "idle.json", 29633, ["--train-iters", "5", "--warmup-steps", "1",
+                                                    "--fine-grained-activation-offloading", "--offload-modules",
+                                                    "core_attn", "--offload-paused"])
+    assert idle["loss_hex"] == base["loss_hex"]
+    assert idle["offload"]["steps"] == 0 and ours["offload"]["steps"] == 3
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pretrain_gpt.py"), "--alternate-offload"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "--alternate-offload compares offloaded with plain steps" in proc.stderr
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pretrain_gpt.py"), "--alternate-period", "3"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "--alternate-period sets how steps alternate" in proc.stderr
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pretrain_gpt.py"), "--offload-paused"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--offload-paused keeps our runtime idle" in proc.stderr
 
 
 @pytest.mark.multiproc
