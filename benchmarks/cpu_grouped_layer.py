@@ -6,14 +6,17 @@ pattern of TEGroupedMLP. ``--pattern attention``: one ``core_attn`` point per la
 (views of one fused projection's output), its output and a small row statistic, the pattern of TE's fused
 attention (A's ``core_attn``). Steps with offloading on and off alternate in one process; the result is the median
 paired difference per layer and microbatch. CPU copies are memcpy, so this measures the runtime's Python and
-bookkeeping, not a GPU step:
+bookkeeping, not a GPU step. ``--paused``: the offloading steps run inside ``mcore_offload.paused()``, so the
+difference is what the points cost a step that offloads nothing (``pretrain_gpt.py``'s plain steps):
 
-    python benchmarks/cpu_grouped_layer.py [--pattern attention] [--pairs 400] [--experts 16] [--json-out FILE]
+    python benchmarks/cpu_grouped_layer.py [--pattern attention] [--pairs 400] [--experts 16] [--paused]
+        [--json-out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import statistics
@@ -26,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mcore_offload.runtime import points  # noqa: E402
-from mcore_offload.runtime.manager import reset  # noqa: E402
+from mcore_offload.runtime.manager import paused, reset  # noqa: E402
 from mcore_offload.summary import get_summary  # noqa: E402
 
 logger = logging.getLogger("cpu_grouped_layer")
@@ -129,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--paused", action="store_true",
+                   help="the offloading step runs inside mcore_offload.paused(): what the points cost a step that "
+                        "offloads nothing (pretrain_gpt.py's plain steps)")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -139,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def step(cfg: SimpleNamespace) -> float:
         t0 = time.perf_counter()
-        points.step_boundary(lambda: [model(x, cfg).sum().backward() for _ in range(args.microbatches)])()
+        with paused() if args.paused and cfg is on else contextlib.nullcontext():
+            points.step_boundary(lambda: [model(x, cfg).sum().backward() for _ in range(args.microbatches)])()
         return time.perf_counter() - t0
 
     on, off = points_config(modules, True), points_config(modules, False)
@@ -152,13 +159,17 @@ def main(argv: list[str] | None = None) -> int:
         if (i + 1) % 100 == 0:
             logger.info("pair %d/%d", i + 1, args.pairs + warmup)
     last = get_summary().last_step
-    if last is None or last.total("offloaded") == 0:
+    if args.paused:
+        if last is not None:
+            raise SystemExit("a paused step offloaded: the benchmark measured offloading (a bug in this script)")
+    elif last is None or last.total("offloaded") == 0:
         raise SystemExit("nothing was offloaded: the benchmark measured no offloading (a bug in this script)")
-    logger.info("last offloading step: %d bytes offloaded, %d skipped (held elsewhere), %d kept on the device",
-                last.total("offloaded"), last.total("skipped_aliased"), last.total("kept_on_device"))
+    else:
+        logger.info("last offloading step: %d bytes offloaded, %d skipped (held elsewhere), %d kept on the device",
+                    last.total("offloaded"), last.total("skipped_aliased"), last.total("kept_on_device"))
     per = statistics.median(diffs) * 1e6 / (args.layers * args.microbatches)
-    logger.info("added per layer and microbatch: median %.1f us (%d pairs, pattern %s, %d experts)", per, args.pairs,
-                args.pattern, args.experts)
+    logger.info("added per layer and microbatch%s: median %.1f us (%d pairs, pattern %s, %d experts)",
+                " (paused)" if args.paused else "", per, args.pairs, args.pattern, args.experts)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"added_us_per_layer_microbatch": per, **vars(args)}, indent=1))
     return 0
