@@ -131,15 +131,22 @@ def overhead_ratio_interval(ours: list[float], native: list[float], rounds: int 
     return (statistics.median(ours) - 1) / base, ratios[int(0.025 * k)], ratios[min(int(0.975 * k), k - 1)]
 
 
+def _split_medians(values: list[float], on_steps: list[bool], first: int) -> tuple[float | None, float | None]:
+    """Medians of ``values`` over the counted offloaded steps and over the counted plain ones."""
+    on = [t for t, o in zip(values[first:], on_steps[first:]) if o]
+    off = [t for t, o in zip(values[first:], on_steps[first:]) if not o]
+    return (statistics.median(on) if on else None), (statistics.median(off) if off else None)
+
+
 def alternation_summary(step_ms: list[float], on_steps: list[bool], first: int,
-                        peaks: list[int] | None = None) -> dict:
-    """What the JSON row of an alternating run reports (percentages, rounded)."""
+                        peaks: list[int] | None = None, issue_ms: list[float] | None = None) -> dict:
+    """What the JSON row of an alternating run reports (percentages, rounded). ``issue_ms``: the host time each
+    step took to issue its work (``pretrain_gpt.py``), reported as on / off medians too."""
     ratios = pair_values(step_ms, on_steps, first)
-    on = [t for t, o in zip(step_ms[first:], on_steps[first:]) if o]
-    off = [t for t, o in zip(step_ms[first:], on_steps[first:]) if not o]
-    out: dict = {"pairs": len(ratios),
-                 "step_ms_on_median": statistics.median(on) if on else None,
-                 "step_ms_off_median": statistics.median(off) if off else None}
+    on, off = _split_medians(step_ms, on_steps, first)
+    out: dict = {"pairs": len(ratios), "step_ms_on_median": on, "step_ms_off_median": off}
+    if issue_ms is not None:
+        out["issue_ms_on_median"], out["issue_ms_off_median"] = _split_medians(issue_ms, on_steps, first)
     if ratios:
         lo, hi = bootstrap_median_interval(ratios)
         out["paired_overhead_pct"] = round(100 * (statistics.median(ratios) - 1), 2)

@@ -315,7 +315,7 @@ def main(argv=None) -> int:
     cuda = device.type == "cuda"
     on_steps: list[bool] = []  # False: a step run inside mcore_offload.paused() (--alternate-offload)
     step_peaks: list[int] = []
-    losses, step_ms, allocated_after, eval_losses = [], [], [], []
+    losses, step_ms, issue_ms, allocated_after, eval_losses = [], [], [], [], []
     gc_clock = GcClock()
     peak_step = 1
     if ours and any(m.startswith("auto") for m in args.offload_modules):
@@ -388,6 +388,8 @@ def main(argv=None) -> int:
         if syncs is not None:
             syncs.end_step()
         opt.step()
+        # the host's share: a step whose host issues its work well before the GPU ends is not launch-bound
+        issue_ms.append((time.perf_counter() - t0) * 1e3)
         if cuda:
             torch.cuda.synchronize()
         step_ms.append((time.perf_counter() - t0) * 1e3)
@@ -437,6 +439,7 @@ def main(argv=None) -> int:
         "runtime_env": {k: v for k, v in os.environ.items() if k.startswith("MCORE_OFFLOAD_")},
         "losses": losses, "loss_hex": [None if x is None else float(x).hex() for x in losses],
         "step_ms": step_ms, "step_ms_median": statistics.median(timed), "timed_steps": len(timed),
+        "issue_ms": issue_ms, "issue_ms_median": statistics.median(issue_ms[args.warmup_steps:] or issue_ms),
         "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
         "peak_bytes_step1": peak_step1, "peak_step": peak_step,
         "peak_trace": peak_trace,
@@ -479,7 +482,7 @@ def main(argv=None) -> int:
         from paired_steps import alternation_summary, first_counted_step
 
         first = first_counted_step(args.warmup_steps, args.alternate_period)
-        row["alternation"] = alternation_summary(step_ms, on_steps, first, step_peaks if cuda else None)
+        row["alternation"] = alternation_summary(step_ms, on_steps, first, step_peaks if cuda else None, issue_ms)
         row["alternation"]["on_steps"] = on_steps
         row["alternation"]["step_peaks"] = step_peaks
         if side_load is not None:

@@ -262,6 +262,9 @@ def test_pretrain_gpt_alternate_offload_pauses_every_odd_step_and_keeps_the_loss
     assert ours["loss_hex"] == base["loss_hex"]
     alt = ours["alternation"]
     assert alt["on_steps"] == [True, False, True, False, True]
+    # the host's issue time: one per step, never longer than the step, split into offloaded / plain medians
+    assert len(ours["issue_ms"]) == 5 and all(0 < i <= t for i, t in zip(ours["issue_ms"], ours["step_ms"]))
+    assert alt["issue_ms_on_median"] > 0 and alt["issue_ms_off_median"] > 0
     assert ours["offload"]["steps"] == 3  # only the offloading steps left a record
     assert alt["pairs"] == 1 and "paired_overhead_pct" in alt  # step 2 (step 4 has no right neighbour)
     # one offloaded step in three: steps 0, 3 and 6 offload, the loss is still the baseline's (8 steps: the first

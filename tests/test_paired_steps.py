@@ -31,6 +31,11 @@ def test_paired_overhead_cancels_linear_drift_and_bounds_the_median():
     lo, hi = got["paired_overhead_ci95_pct"]
     assert lo <= got["paired_overhead_pct"] <= hi
     assert got["delta_peak_bytes"] == 500
+    assert "issue_ms_on_median" not in got
+    # the host's issue time, split the same way (counted steps only: 2..9)
+    issue = [50.0 + i if o else 40.0 + i for i, o in enumerate(on)]
+    got = alternation_summary(timed, on, 2, peaks, issue)
+    assert (got["issue_ms_on_median"], got["issue_ms_off_median"]) == (55.0, 46.0)  # steps 2-8 / 3-9
 
 
 def _parity_run(period: int, n: int = 61) -> tuple[list[float], list[bool]]:

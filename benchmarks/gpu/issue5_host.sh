@@ -110,14 +110,16 @@ for stem, r in runs.items():
     base = runs.get("baseline-" + stem.split("-", 1)[1])
     same = "-" if base is None or stem.startswith("baseline") else r["loss_hex"] == base["loss_hex"]
     print(f"{stem:24s} median {st.median(t):7.1f}  q10 {q[len(q) // 10]:7.1f}  min {q[0]:7.1f} ms  loss equal {same}  "
-          f"host {r.get('runtime_cpu_ms')}  cpus {len(r.get('cpus') or [])}  load {r.get('loadavg')}  "
+          f"host {r.get('runtime_cpu_ms')}  issued {r.get('issue_ms_median')} ms  cpus {len(r.get('cpus') or [])}  "
+          f"load {r.get('loadavg')}  "
           f"device mallocs/frees after step 1: {[sum(v[2:]) for v in (r.get('allocator_per_step') or {}).values()]}")
     alt = r.get("alternation")
     if alt:
         print(f"  alternating: {alt['pairs']} pairs, paired overhead {alt.get('paired_overhead_pct')} % "
               f"(95 % interval {alt.get('paired_overhead_ci95_pct')}), on/off medians {alt['step_ms_on_median']:.1f}"
               f"/{alt['step_ms_off_median']:.1f} ms, delta peak {(alt.get('delta_peak_bytes') or 0) / 2**20:.0f} MiB, "
-              f"stall {r.get('stall_ms')} ms, d2h {r.get('d2h_GBps')} h2d {r.get('h2d_GBps')} GB/s")
+              f"stall {r.get('stall_ms')} ms, d2h {r.get('d2h_GBps')} h2d {r.get('h2d_GBps')} GB/s, issued on/off "
+              f"{alt.get('issue_ms_on_median')}/{alt.get('issue_ms_off_median')} ms")
         ps = alt.get("plain_steps")
         if ps:
             print(f"  plain steps ({ps['plain_twos']} twos): even over odd {ps['even_over_odd_pct']} % "
