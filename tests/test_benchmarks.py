@@ -469,3 +469,15 @@ def test_peak_trace_finds_the_peak_and_the_reloaded_bytes_live_then():
                                  {"size": 50, "count": 1, "bytes": 50, "where": "mlp.py:forward"},
                                  {"size": 30, "count": 1, "bytes": 30, "where": "mlp.py:forward"}]
     assert analyse([], base=7)["peak_bytes"] == 7
+
+
+def test_cpu_node_hooks_times_both_registrations(tmp_path):
+    from mcore_offload.runtime import native
+
+    if native.toolchain_missing():
+        pytest.skip(f"the C++ runtime cannot be built here: {native.toolchain_missing()}")
+    out = tmp_path / "hooks.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_node_hooks.py"), "--nodes", "4",
+                           "--steps", "10", "--json-out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert set(json.loads(out.read_text())["us_per_hook"]) == {"python", "cpp"}

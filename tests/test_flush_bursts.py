@@ -88,9 +88,14 @@ def test_a_bad_flush_layers_value_is_one_clear_sentence(monkeypatch, raw):
         flush_layers_from_env()
 
 
-@pytest.mark.parametrize("hooks", ["0", "1"])
-def test_node_hooks_and_identity_nodes_give_the_same_values_and_bytes(monkeypatch, hooks):
+@pytest.mark.parametrize("hooks,cpp", [("0", "0"), ("1", "0"), ("1", "auto")])
+def test_node_hooks_and_identity_nodes_give_the_same_values_and_bytes(monkeypatch, hooks, cpp):
+    """Identity nodes, node hooks registered from Python, and (where the C++ runtime builds) from C++."""
+    from mcore_offload.runtime import native
+
     monkeypatch.setenv("MCORE_OFFLOAD_NODE_HOOKS", hooks)
+    monkeypatch.setenv("MCORE_OFFLOAD_NATIVE", cpp)
+    native.reset()
     base, _ = _run([], layers=4, steps=2)
     manager_module.reset()
     got, _ = _run(["qkv_linear", "core_attn", "attn_proj"], layers=4, steps=2)

@@ -264,3 +264,29 @@ def test_the_cpp_copy_loop_passes_each_copy_to_the_runtime_and_stops_at_the_firs
         module.copy_burst(address, hosts, storages[:1], [8, 8], 2, 5)
     with pytest.raises(TypeError, match="tensors and untyped storages only"):
         module.copy_burst(address, [object()], storages[:1], [8], 2, 5)
+
+
+def test_a_cpp_node_prehook_runs_before_its_node_and_passes_the_gradients_through(module):
+    order = []
+    x = torch.randn(4, requires_grad=True)
+    x.register_hook(lambda grad: order.append("x's gradient, made by y's node"))
+    y = x * 2
+    assert module.add_prehook(y, lambda grads: order.append(("hook", grads))) is True
+    assert module.add_prehook(x, order.append) is False  # a leaf has no node: the caller adds one of its own
+    (y * 3).sum().backward()
+    assert order == [("hook", None), "x's gradient, made by y's node"]
+    assert torch.equal(x.grad, torch.full((4,), 6.0))
+
+
+def test_a_failing_cpp_node_prehook_fails_the_backward_with_its_own_error(module):
+    x = torch.randn(4, requires_grad=True)
+    y = x * 2
+
+    def fails(_):
+        raise ValueError("the hook's own message")
+
+    module.add_prehook(y, fails)
+    with pytest.raises(ValueError, match="the hook's own message"):
+        y.sum().backward()
+    with pytest.raises(TypeError, match="fn must be callable"):
+        module.add_prehook(x * 2, 3)

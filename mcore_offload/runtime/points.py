@@ -95,7 +95,7 @@ class StartHook(_NodeHook):
 
     __slots__ = ()
 
-    def __call__(self, grad_outputs: Any) -> None:
+    def __call__(self, grad_outputs: Any = None) -> None:
         t0 = perf_counter_ns()
         self.handler.on_group_backward_done(self.group)
         self.handler.summary.runtime_ns += perf_counter_ns() - t0
@@ -107,7 +107,7 @@ class CommitHook(_NodeHook):
 
     __slots__ = ()
 
-    def __call__(self, grad_outputs: Any) -> None:
+    def __call__(self, grad_outputs: Any = None) -> None:
         t0 = perf_counter_ns()
         self.handler.on_group_commit_backward(self.group)
         self.handler.summary.runtime_ns += perf_counter_ns() - t0
@@ -118,21 +118,30 @@ _start = _fast_apply(GroupStart)
 _commit_node = _fast_apply(GroupCommit)
 
 
+def _hook_node(tensor: torch.Tensor, manager: Any, hook: _NodeHook) -> bool:
+    """Run ``hook`` before the backward of the node that made ``tensor``; False where there is none (a leaf)."""
+    native = manager.native
+    if native is not None:  # registered in C++ (runtime/native/node_hooks.cpp): no handle, no wrapped gradients
+        return native.add_prehook(tensor, hook)
+    node = tensor.grad_fn
+    if node is None:
+        return False
+    node.register_prehook(hook)
+    return True
+
+
 def _start_group(tensor: torch.Tensor, handler: ChunkOffloadHandler, group: Group) -> torch.Tensor:
     """The point's input, marked so that the group is done when its gradient is complete."""
-    node = tensor.grad_fn
-    if node is not None and handler.manager.node_hooks:
-        node.register_prehook(StartHook(handler, group))
+    if handler.manager.node_hooks and _hook_node(tensor, handler.manager, StartHook(handler, group)):
         return tensor
     return _start(tensor, handler, group)  # a leaf has no node to hook: an identity node of our own
 
 
 def _commit_group(tensor: torch.Tensor, handler: ChunkOffloadHandler, group: Group) -> torch.Tensor:
     """The point's output, marked so that the group reloads before the point's backward; queues the group."""
-    node = tensor.grad_fn
-    if node is not None and handler.manager.node_hooks:
+    if handler.manager.node_hooks and tensor.grad_fn is not None:
         handler.on_group_commit_forward(group)
-        node.register_prehook(CommitHook(handler, group))
+        _hook_node(tensor, handler.manager, CommitHook(handler, group))
         return tensor
     return _commit_node(tensor, handler, group)
 

@@ -1,8 +1,7 @@
 // Declarations shared by the native runtime's translation units: module.cpp (the module, the interned names and the
 // helpers below), hooks.cpp (the saved-tensor hook types), copy_path.cpp (the copy-out), copy_calls.cpp (the
-// transport's copy loop and reload allocations), entry.cpp (the copy-out's object types) and reload.cpp (the reload's
-// bookkeeping). See __init__.py for why and how this is
-// built.
+// transport's copy loop and reload allocations), entry.cpp (the copy-out's object types), reload.cpp (the reload's
+// bookkeeping) and node_hooks.cpp (hooks on autograd nodes). See __init__.py for why and how this is built.
 #pragma once
 
 #include <Python.h>
@@ -96,6 +95,8 @@ bool hook_types_ready(PyObject* module);
 extern PyMethodDef copy_path_methods[];
 extern PyMethodDef copy_call_methods[];
 extern PyMethodDef reload_methods[];
+// node_hooks.cpp: add_prehook (the group start and commit hooks on existing autograd nodes)
+extern PyMethodDef node_hook_methods[];
 
 // entry.cpp: Entry(point, nbytes, host, d2h_event, device_ptr) and Released(handler, ptr, entry) as new references
 // (nullptr: error set); entry.storage_ref = weak (stolen); the two types readied and Entry added to the module

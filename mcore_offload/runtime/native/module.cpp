@@ -165,6 +165,7 @@ PyMODINIT_FUNC MCO_CONCAT(PyInit_, TORCH_EXTENSION_NAME)(void) {
   if (m == nullptr) return nullptr;
   if (!hook_types_ready(m) || PyModule_AddFunctions(m, copy_path_methods) < 0 ||
       PyModule_AddFunctions(m, copy_call_methods) < 0 || PyModule_AddFunctions(m, reload_methods) < 0 ||
+      PyModule_AddFunctions(m, node_hook_methods) < 0 ||
       !entry_types_ready(m)) {
     Py_DECREF(m);
     return nullptr;

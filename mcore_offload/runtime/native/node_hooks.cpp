@@ -1,0 +1,76 @@
+// The group start and commit hooks on existing autograd nodes (points.py: StartHook, CommitHook), registered in C++.
+//
+// Why: Python's Node.register_prehook builds a RemovableHandle (a weak reference, a dict entry, an id) that we never
+// use, and calls each hook with a tuple of wrapped gradient tensors that our hooks ignore: 3-5 µs a registration, two
+// registrations per group, on the launch-bound path. Node::add_pre_hook with a small C++ hook does the same job: the
+// engine runs a node's pre-hooks before the node, whatever registered them. The hook holds the GIL only while it calls
+// the Python callable, as PyTorch's own Python pre-hooks do. See __init__.py for why and how this is built.
+
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+
+#include "common.h"
+
+namespace mco {
+
+namespace {
+
+// Calls ``fn(None)`` before the node runs and passes the gradients through unchanged (returns them as they came).
+struct CallBeforeNode : torch::autograd::FunctionPreHook {
+  explicit CallBeforeNode(PyObject* fn) : fn_(fn) { Py_INCREF(fn_); }
+
+  ~CallBeforeNode() override {
+    // Nodes die on whichever thread drops the graph (the engine's, in backward): take the GIL to release ``fn``.
+    if (Py_IsInitialized()) {
+      PyGILState_STATE state = PyGILState_Ensure();
+      Py_DECREF(fn_);
+      PyGILState_Release(state);
+    }
+  }
+
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    PyGILState_STATE state = PyGILState_Ensure();
+    PyObject* out = PyObject_CallOneArg(fn_, Py_None);
+    if (out == nullptr) {
+      // The Python error becomes the backward's exception, as for a failing Python hook.
+      python_error err;
+      err.persist();
+      PyGILState_Release(state);
+      throw err;
+    }
+    Py_DECREF(out);
+    PyGILState_Release(state);
+    return grads;
+  }
+
+  PyObject* fn_;
+};
+
+// add_prehook(tensor, fn): before the backward of the node that made ``tensor``, call ``fn(None)``. False where the
+// tensor has no such node (a leaf, or no grad): the caller then uses an identity node of its own.
+PyObject* module_add_prehook(PyObject*, PyObject* args) {
+  PyObject *tensor, *fn;
+  if (!PyArg_ParseTuple(args, "OO", &tensor, &fn)) return nullptr;
+  if (!THPVariable_Check(tensor)) {
+    PyErr_SetString(PyExc_TypeError, "add_prehook(tensor, fn) takes a tensor");
+    return nullptr;
+  }
+  if (!PyCallable_Check(fn)) {
+    PyErr_SetString(PyExc_TypeError, "add_prehook(tensor, fn): fn must be callable");
+    return nullptr;
+  }
+  const at::Tensor& t = THPVariable_Unpack(tensor);
+  const auto& node = t.grad_fn();  // shared_ptr or intrusive_ptr, by torch version
+  if (!node) Py_RETURN_FALSE;
+  node->add_pre_hook(std::make_unique<CallBeforeNode>(fn));
+  Py_RETURN_TRUE;
+}
+
+}  // namespace
+
+PyMethodDef node_hook_methods[] = {
+    {"add_prehook", module_add_prehook, METH_VARARGS,
+     "add_prehook(tensor, fn): fn(None) runs before the backward of tensor's grad_fn; False if it has none"},
+    {nullptr, nullptr, 0, nullptr}};
+
+}  // namespace mco
