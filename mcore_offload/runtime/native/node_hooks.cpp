@@ -4,7 +4,9 @@
 // use, and calls each hook with a tuple of wrapped gradient tensors that our hooks ignore: 3-5 µs a registration, two
 // registrations per group, on the launch-bound path. Node::add_pre_hook with a small C++ hook does the same job: the
 // engine runs a node's pre-hooks before the node, whatever registered them. The hook holds the GIL only while it calls
-// the Python callable, as PyTorch's own Python pre-hooks do. See __init__.py for why and how this is built.
+// the Python callable, as PyTorch's own Python pre-hooks do. Unlike those, it does not take part in compiled autograd
+// (torch.compile of the backward), which the offload runtime does not support either. See __init__.py for why and
+// how this is built.
 
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
