@@ -5,8 +5,8 @@
 // registrations per group, on the launch-bound path. Node::add_pre_hook with a small C++ hook does the same job: the
 // engine runs a node's pre-hooks before the node, whatever registered them. The hook holds the GIL only while it calls
 // the Python callable, as PyTorch's own Python pre-hooks do. Unlike those, it does not take part in compiled autograd
-// (torch.compile of the backward), which the offload runtime does not support either. See __init__.py for why and
-// how this is built.
+// (torch.compile of the backward: a C++ hook without compiled_args fails there), under which the runtime has never
+// been tested; MCORE_OFFLOAD_NATIVE=0 keeps the Python registration. See __init__.py for why and how this is built.
 
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
