@@ -83,6 +83,12 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
       help="ours: every step runs inside mcore_offload.paused(), so the patches and the runtime are in place and "
            "nothing is offloaded: against a run without --fine-grained-activation-offloading, what their presence "
            "costs a step")
+    a("--offload-first-steps", type=int, default=None, metavar="K",
+      help="ours: offload in steps 0..K-1 only, then run every step inside mcore_offload.paused() "
+           "(benchmarks/offload_stop.py): do plain steps stay slower once offloading has run? JSON 'offload_stop'")
+    a("--at-offload-stop", default="keep", choices=("keep", "empty-cache", "release-host", "both"),
+      help="with --offload-first-steps: what to release before step K (untimed): nothing, the device caching "
+           "allocator's free segments, our pinned host buffers and PyTorch's cached pinned blocks, or both")
     a("--host-delay-us", type=float, nargs=2, default=None, metavar=("FWD", "BWD"),
       help="every other step, spin FWD us at each transformer layer's forward and BWD us at its backward "
            "(benchmarks/host_delay.py): the paired overhead over the delay is the host time the step exposes; "
@@ -110,6 +116,14 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
                                 or not args.fine_grained_activation_offloading):
         p.error("--offload-paused keeps our runtime idle in every step: use it with --fine-grained-activation-"
                 "offloading and --offload-modules, without --alternate-offload or --alternate-runtime")
+    if args.offload_first_steps is not None and (args.alternate_offload or args.alternate_runtime
+                                                 or args.offload_paused
+                                                 or not args.fine_grained_activation_offloading):
+        p.error("--offload-first-steps offloads in the first K steps only: use it with --fine-grained-activation-"
+                "offloading and --offload-modules, without --alternate-offload, --alternate-runtime or "
+                "--offload-paused")
+    if args.at_offload_stop != "keep" and args.offload_first_steps is None:
+        p.error("--at-offload-stop says what to release when offloading stops: add --offload-first-steps K")
     if args.alternate_runtime:
         from runtime_switch import parse_settings
 

@@ -372,7 +372,13 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
             if alternate:  # every step's own peak (the step-1 peak above is still read as usual)
                 torch.cuda.reset_peak_memory_stats()
-        on_steps.append(not args.offload_paused and (not alternate or step % args.alternate_period == 0))
+        stopped = args.offload_first_steps is not None and step >= args.offload_first_steps
+        if stopped and step == args.offload_first_steps:
+            from offload_stop import release_after_offloading
+
+            release_after_offloading(args.at_offload_stop)
+        on_steps.append(not args.offload_paused and not stopped
+                        and (not alternate or step % args.alternate_period == 0))
         if side_load is not None:
             side_load.active = on_steps[-1]
         if switch is not None:
@@ -381,7 +387,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         if syncs is not None:
             syncs.start_step()
-        plain = (args.alternate_offload and not on_steps[-1]) or args.offload_paused
+        plain = (args.alternate_offload and not on_steps[-1]) or args.offload_paused or stopped
         with (native_pause.paused() if native_pause is not None else mcore_offload.paused()) if plain \
                 else contextlib.nullcontext():
             out = run_schedule(args, chunks, fb, data, forward_only=False)
@@ -453,6 +459,11 @@ def main(argv=None) -> int:
         "gc_ms": gc_clock.per_step, "gc_collections": gc_clock.collections,
         "gc_ms_median": statistics.median(gc_clock.per_step[args.warmup_steps:] or gc_clock.per_step),
     }
+    if args.offload_first_steps is not None:  # the plain steps from two after the stop
+        after = step_ms[max(args.offload_first_steps + 2, args.warmup_steps):]
+        row["offload_stop"] = {"first_plain_step": args.offload_first_steps, "released": args.at_offload_stop,
+                               "plain_ms_median": statistics.median(after) if after else None,
+                               "plain_steps_counted": len(after)}
     if ours:
         from mcore_offload.summary import get_summary
 

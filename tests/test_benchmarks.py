@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -291,6 +292,25 @@ def test_pretrain_gpt_alternate_offload_pauses_every_odd_step_and_keeps_the_loss
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pretrain_gpt.py"), "--offload-paused"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "--offload-paused keeps our runtime idle" in proc.stderr
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("release", ["keep", "both"])
+def test_pretrain_gpt_offload_first_steps_then_plain_keeps_the_loss(tmp_path, release):
+    """--offload-first-steps K: ours offloads in steps 0..K-1 only (releasing what --at-offload-stop names before step
+    K), then idles: the baseline's losses, K offloaded steps on record, the plain steps' median from K+2 on."""
+    base, ours = tiny_base_and_ours(tmp_path, 29641, ["--train-iters", "6", "--warmup-steps", "1"],
+                                    ["core_attn", "--offload-first-steps", "2", "--at-offload-stop", release])
+    assert ours["loss_hex"] == base["loss_hex"]
+    assert ours["offload"]["steps"] == 2
+    stop = ours["offload_stop"]
+    assert stop["first_plain_step"] == 2 and stop["released"] == release and stop["plain_steps_counted"] == 2
+    assert stop["plain_ms_median"] == statistics.median(ours["step_ms"][4:])
+    for flags, says in ((["--offload-first-steps", "2"], "--offload-first-steps offloads in the first K steps only"),
+                        (["--at-offload-stop", "both"], "--at-offload-stop says what to release")):
+        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pretrain_gpt.py"), *flags],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2 and says in proc.stderr
 
 
 @pytest.mark.multiproc

@@ -17,6 +17,8 @@
 #    "flush_layers=4 reload_layers=2") and the others with the defaults (--alternate-runtime: the settings' cost);
 #    idle_NAME: NAME's flags with every step inside mcore_offload.paused() (--offload-paused: the patches and the
 #    runtime in place, nothing offloaded), to time against "baseline" in the same run;
+#    stop_NAME / stopec_NAME / stoph_NAME / stopb_NAME: NAME offloaded in steps 0..STOP_AT-1 (default 12) only, then
+#    paused, releasing nothing / the device cache / the host buffers / both first (benchmarks/offload_stop.py);
 #    NAME_bd: NAME with --runtime-breakdown (suffix order NAME_torchcopy_nochain_bd);
 #    NAME_torchcopy: PyTorch's copy_ instead of the raw cudaMemcpyAsync (MCORE_OFFLOAD_RAW_COPY=0); NAME_nochain: one
 #    group per point (MCORE_OFFLOAD_CHAIN_POINTS=0; suffix order NAME_torchcopy_nochain); "experts" and
@@ -72,10 +74,14 @@ for rep in $(seq 1 "${REPS:-2}"); do
       case ${name%@old} in *_py*) envs="$envs MCORE_OFFLOAD_NATIVE=0" ;; *) envs="$envs MCORE_OFFLOAD_NATIVE=${NATIVE:-1}" ;; esac
       case ${name%@old} in alt_*) alt="--alternate-offload --alternate-period ${ALT_PERIOD:-2}" ;;
         idle_*) alt="--offload-paused" ;;
+        stop_*) alt="--offload-first-steps ${STOP_AT:-12}" ;;
+        stopec_*) alt="--offload-first-steps ${STOP_AT:-12} --at-offload-stop empty-cache" ;;
+        stoph_*) alt="--offload-first-steps ${STOP_AT:-12} --at-offload-stop release-host" ;;
+        stopb_*) alt="--offload-first-steps ${STOP_AT:-12} --at-offload-stop both" ;;
         sw_*) alt="--alternate-runtime ${SWITCH:-flush_layers=4 reload_layers=2} --alternate-period ${ALT_PERIOD:-2}" ;;
         *) alt="" ;; esac
       case ${name%@old} in *_bd) alt="$alt --runtime-breakdown" ;; esac
-      base=${name%@old}; base=${base//_wc/}; base=${base//_coal/}; base=${base//_py/}; base=${base//_f4/}; base=${base//_r2/}; base=${base#alt_}; base=${base#sw_}; base=${base#idle_}; base=${base%_bd}; base=${base%_nochain}; base=${base%_torchcopy}
+      base=${name%@old}; base=${base//_wc/}; base=${base//_coal/}; base=${base//_py/}; base=${base//_f4/}; base=${base//_r2/}; base=${base#alt_}; base=${base#sw_}; base=${base#idle_}; base=${base#stop_}; base=${base#stopec_}; base=${base#stoph_}; base=${base#stopb_}; base=${base%_bd}; base=${base%_nochain}; base=${base%_torchcopy}
       case $base in baseline) flags="" ;; core_attn) flags=$OFF ;;
         hooks_only) flags="$OFF --min-offloaded-tensor-size 1000000000000" ;;
         attn) flags="--fine-grained-activation-offloading --offload-modules qkv_linear core_attn attn_proj" ;;
@@ -113,6 +119,10 @@ for stem, r in runs.items():
           f"host {r.get('runtime_cpu_ms')}  issued {r.get('issue_ms_median')} ms  cpus {len(r.get('cpus') or [])}  "
           f"load {r.get('loadavg')}  "
           f"device mallocs/frees after step 1: {[sum(v[2:]) for v in (r.get('allocator_per_step') or {}).values()]}")
+    stop = r.get("offload_stop")
+    if stop:
+        print(f"  offloading stopped before step {stop['first_plain_step']} (released: {stop['released']}): plain steps "
+              f"from two after, median {stop['plain_ms_median']:.1f} ms over {stop['plain_steps_counted']}")
     alt = r.get("alternation")
     if alt:
         print(f"  alternating: {alt['pairs']} pairs, paired overhead {alt.get('paired_overhead_pct')} % "
