@@ -86,6 +86,9 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     a("--offload-first-steps", type=int, default=None, metavar="K",
       help="ours: offload in steps 0..K-1 only, then run every step inside mcore_offload.paused() "
            "(benchmarks/offload_stop.py): do plain steps stay slower once offloading has run? JSON 'offload_stop'")
+    a("--offload-from-step", type=int, default=0, metavar="S",
+      help="with --offload-first-steps K: offload in steps S..K-1 only; the steps before S are plain too, so one "
+           "process times plain steps before offloading ever ran and after it stopped (JSON 'offload_stop')")
     a("--at-offload-stop", default="keep", choices=("keep", "empty-cache", "release-host", "both"),
       help="with --offload-first-steps: what to release before step K (untimed): nothing, the device caching "
            "allocator's free segments, our pinned host buffers and PyTorch's cached pinned blocks, or both")
@@ -122,6 +125,9 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
         p.error("--offload-first-steps offloads in the first K steps only: use it with --fine-grained-activation-"
                 "offloading and --offload-modules, without --alternate-offload, --alternate-runtime or "
                 "--offload-paused")
+    if args.offload_from_step and (args.offload_first_steps is None
+                                   or not 0 <= args.offload_from_step < args.offload_first_steps):
+        p.error("--offload-from-step S starts the offloaded steps S..K-1: add --offload-first-steps K with K > S >= 0")
     if args.at_offload_stop != "keep" and args.offload_first_steps is None:
         p.error("--at-offload-stop says what to release when offloading stops: add --offload-first-steps K")
     if args.alternate_runtime:

@@ -34,7 +34,12 @@ BENCHMARKS = Path(__file__).resolve().parent
 if str(BENCHMARKS) not in sys.path:  # the helper modules beside this script, also when it is imported
     sys.path.insert(0, str(BENCHMARKS))
 import pretrain_args  # noqa: E402
+from offload_stop import offload_stop_summary, release_after_offloading  # noqa: E402
+from run_info import native_accounting, peak_reader, versions  # noqa: E402
 
+# the caching allocator's layout after the last step (torch.cuda.memory_stats keys)
+ALLOCATOR_STATE = ("segment.all.current", "active.all.current", "inactive_split.all.current",
+                   "inactive_split_bytes.all.current", "reserved_bytes.all.current", "oversize_segments.current")
 # caching-allocator counters recorded per step (torch.cuda.memory_stats keys)
 ALLOCATOR_COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
 
@@ -180,49 +185,6 @@ def loss_func(loss_mask, output_tensor):
     loss = (output_tensor.float() * loss_mask).sum() / loss_mask.sum()
     # clone: the schedule divides the returned loss in place by the number of microbatches
     return loss, {"lm loss": loss.detach().clone()}
-
-
-def peak_reader(device: torch.device):
-    """The allocator's peak-allocated statistic, read without building the flattened stats dict."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    try:
-        torch._C._cuda_memoryStats(idx)["allocated_bytes"]["all"]["peak"]
-        return lambda: torch._C._cuda_memoryStats(idx)["allocated_bytes"]["all"]["peak"]
-    except (AttributeError, KeyError, TypeError):
-        return lambda: torch.cuda.max_memory_allocated(idx)
-
-
-def native_accounting() -> dict:
-    """Upstream 0.16's own count of offloaded bytes (collected after its warm-up step)."""
-    try:
-        from megatron.core.pipeline_parallel.fine_grained_activation_offload import PipelineOffloadManager
-
-        mgr = PipelineOffloadManager.get_instance()
-        return {"host_bytes_at_peak": int(mgr.offload_summary_total_bytes),
-                "native_offload_bytes_by_point": dict(mgr.offload_summary_bytes),
-                "host_bytes_source": "native: PipelineOffloadManager.offload_summary_total_bytes (its own accounting)"}
-    except (ImportError, AttributeError) as e:
-        return {"host_bytes_at_peak": None, "host_bytes_source": f"native accounting unavailable: {e}"}
-
-
-def versions() -> dict:
-    import megatron.core as mc
-
-    out = {"torch": torch.__version__, "megatron_core": mc.__version__, "python": sys.version.split()[0],
-           "cuda": torch.version.cuda}
-    try:
-        import transformer_engine
-
-        out["transformer_engine"] = transformer_engine.__version__
-    except ImportError:
-        out["transformer_engine"] = None
-    try:
-        import mcore_offload
-
-        out["mcore_offload"] = getattr(mcore_offload, "__version__", "unknown")
-    except ImportError:
-        pass
-    return out
 
 
 TIMELINE: list[tuple[str, int]] | None = None
@@ -372,10 +334,9 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
             if alternate:  # every step's own peak (the step-1 peak above is still read as usual)
                 torch.cuda.reset_peak_memory_stats()
-        stopped = args.offload_first_steps is not None and step >= args.offload_first_steps
+        stopped = args.offload_first_steps is not None and not \
+            args.offload_from_step <= step < args.offload_first_steps
         if stopped and step == args.offload_first_steps:
-            from offload_stop import release_after_offloading
-
             release_after_offloading(args.at_offload_stop)
         on_steps.append(not args.offload_paused and not stopped
                         and (not alternate or step % args.alternate_period == 0))
@@ -459,11 +420,12 @@ def main(argv=None) -> int:
         "gc_ms": gc_clock.per_step, "gc_collections": gc_clock.collections,
         "gc_ms_median": statistics.median(gc_clock.per_step[args.warmup_steps:] or gc_clock.per_step),
     }
-    if args.offload_first_steps is not None:  # the plain steps from two after the stop
-        after = step_ms[max(args.offload_first_steps + 2, args.warmup_steps):]
-        row["offload_stop"] = {"first_plain_step": args.offload_first_steps, "released": args.at_offload_stop,
-                               "plain_ms_median": statistics.median(after) if after else None,
-                               "plain_steps_counted": len(after)}
+    if args.offload_first_steps is not None:  # the plain steps from two after the stop, and any before the start
+        row["offload_stop"] = offload_stop_summary(step_ms, args.warmup_steps, args.offload_from_step,
+                                                   args.offload_first_steps, args.at_offload_stop)
+    if cuda:  # how the caching allocator's memory is laid out after the last step
+        stats = torch.cuda.memory_stats()
+        row["allocator_state"] = {key: stats.get(key) for key in ALLOCATOR_STATE}
     if ours:
         from mcore_offload.summary import get_summary
 

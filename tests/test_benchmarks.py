@@ -306,11 +306,37 @@ def test_pretrain_gpt_offload_first_steps_then_plain_keeps_the_loss(tmp_path, re
     stop = ours["offload_stop"]
     assert stop["first_plain_step"] == 2 and stop["released"] == release and stop["plain_steps_counted"] == 2
     assert stop["plain_ms_median"] == statistics.median(ours["step_ms"][4:])
+    assert stop["first_offloaded_step"] == 0 and stop["plain_before_steps_counted"] == 0
+    assert stop["after_over_before_pct"] is None
     for flags, says in ((["--offload-first-steps", "2"], "--offload-first-steps offloads in the first K steps only"),
+                        (["--offload-from-step", "2"], "--offload-from-step S starts the offloaded steps S..K-1"),
                         (["--at-offload-stop", "both"], "--at-offload-stop says what to release")):
         proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pretrain_gpt.py"), *flags],
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 2 and says in proc.stderr
+
+
+@pytest.mark.multiproc
+def test_pretrain_gpt_offload_window_times_plain_steps_before_and_after(tmp_path):
+    """--offload-from-step S --offload-first-steps K: steps S..K-1 offload, those before and after are plain, the
+    losses are the baseline's, and issue5_host.sh's summary reports after over before."""
+    base, ours = tiny_base_and_ours(tmp_path, 29643, ["--train-iters", "8", "--warmup-steps", "1"],
+                                    ["core_attn", "--offload-from-step", "3", "--offload-first-steps", "5"])
+    assert ours["loss_hex"] == base["loss_hex"]
+    assert ours["offload"]["steps"] == 2
+    stop = ours["offload_stop"]
+    assert stop["plain_before_steps_counted"] == 2 and stop["plain_steps_counted"] == 1  # steps 1-2 and 7
+    before, after = statistics.median(ours["step_ms"][1:3]), ours["step_ms"][7]
+    assert stop["after_over_before_pct"] == pytest.approx(100 * (after / before - 1))
+    script = (ROOT / "benchmarks" / "gpu" / "issue5_host.sh").read_text()
+    summary = script.split("<<'PY'\n", 1)[1].split("\nPY\n", 1)[0]
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    (runs / "mid_core_attn-none-1.json").write_text(json.dumps({"args": {}, "ranks": [ours]}))
+    proc = subprocess.run([sys.executable, "-", str(runs)], input=summary, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT / "benchmarks")})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "offloaded steps 3..4 (released after: keep)" in proc.stdout and "after over before" in proc.stdout
 
 
 @pytest.mark.multiproc

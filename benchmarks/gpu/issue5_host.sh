@@ -19,6 +19,8 @@
 #    runtime in place, nothing offloaded), to time against "baseline" in the same run;
 #    stop_NAME / stopec_NAME / stoph_NAME / stopb_NAME: NAME offloaded in steps 0..STOP_AT-1 (default 12) only, then
 #    paused, releasing nothing / the device cache / the host buffers / both first (benchmarks/offload_stop.py);
+#    mid_NAME: NAME offloaded in steps MID_FROM..MID_TO-1 only (default 20..29), plain before and after: in one
+#    process, do plain steps after offloading run slower than before it?
 #    NAME_bd: NAME with --runtime-breakdown (suffix order NAME_torchcopy_nochain_bd);
 #    NAME_torchcopy: PyTorch's copy_ instead of the raw cudaMemcpyAsync (MCORE_OFFLOAD_RAW_COPY=0); NAME_nochain: one
 #    group per point (MCORE_OFFLOAD_CHAIN_POINTS=0; suffix order NAME_torchcopy_nochain); "experts" and
@@ -78,10 +80,11 @@ for rep in $(seq 1 "${REPS:-2}"); do
         stopec_*) alt="--offload-first-steps ${STOP_AT:-12} --at-offload-stop empty-cache" ;;
         stoph_*) alt="--offload-first-steps ${STOP_AT:-12} --at-offload-stop release-host" ;;
         stopb_*) alt="--offload-first-steps ${STOP_AT:-12} --at-offload-stop both" ;;
+        mid_*) alt="--offload-from-step ${MID_FROM:-20} --offload-first-steps ${MID_TO:-30}" ;;
         sw_*) alt="--alternate-runtime ${SWITCH:-flush_layers=4 reload_layers=2} --alternate-period ${ALT_PERIOD:-2}" ;;
         *) alt="" ;; esac
       case ${name%@old} in *_bd) alt="$alt --runtime-breakdown" ;; esac
-      base=${name%@old}; base=${base//_wc/}; base=${base//_coal/}; base=${base//_py/}; base=${base//_f4/}; base=${base//_r2/}; base=${base#alt_}; base=${base#sw_}; base=${base#idle_}; base=${base#stop_}; base=${base#stopec_}; base=${base#stoph_}; base=${base#stopb_}; base=${base%_bd}; base=${base%_nochain}; base=${base%_torchcopy}
+      base=${name%@old}; base=${base//_wc/}; base=${base//_coal/}; base=${base//_py/}; base=${base//_f4/}; base=${base//_r2/}; base=${base#alt_}; base=${base#sw_}; base=${base#idle_}; base=${base#stop_}; base=${base#stopec_}; base=${base#stoph_}; base=${base#stopb_}; base=${base#mid_}; base=${base%_bd}; base=${base%_nochain}; base=${base%_torchcopy}
       case $base in baseline) flags="" ;; core_attn) flags=$OFF ;;
         hooks_only) flags="$OFF --min-offloaded-tensor-size 1000000000000" ;;
         attn) flags="--fine-grained-activation-offloading --offload-modules qkv_linear core_attn attn_proj" ;;
@@ -121,8 +124,10 @@ for stem, r in runs.items():
           f"device mallocs/frees after step 1: {[sum(v[2:]) for v in (r.get('allocator_per_step') or {}).values()]}")
     stop = r.get("offload_stop")
     if stop:
-        print(f"  offloading stopped before step {stop['first_plain_step']} (released: {stop['released']}): plain steps "
-              f"from two after, median {stop['plain_ms_median']:.1f} ms over {stop['plain_steps_counted']}")
+        print(f"  offloaded steps {stop['first_offloaded_step']}..{stop['first_plain_step'] - 1} (released after: "
+              f"{stop['released']}): plain steps from two after, median {stop['plain_ms_median']:.1f} ms over "
+              f"{stop['plain_steps_counted']}; before, {stop['plain_before_ms_median']} ms over "
+              f"{stop['plain_before_steps_counted']}: after over before {stop['after_over_before_pct']} %")
     alt = r.get("alternation")
     if alt:
         print(f"  alternating: {alt['pairs']} pairs, paired overhead {alt.get('paired_overhead_pct')} % "
