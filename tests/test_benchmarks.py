@@ -56,6 +56,19 @@ def tiny_base_and_ours(tmp_path, port: int, common: list[str], ours: list[str]) 
     return tiny_pair(tmp_path, port, common, [], ["--fine-grained-activation-offloading", "--offload-modules", *ours])
 
 
+def issue5_summary(tmp_path, stem: str, row: dict) -> str:
+    """What issue5_host.sh's summary (its Python, run here) prints for one run's rank-0 ``row`` saved as ``stem``."""
+    script = (ROOT / "benchmarks" / "gpu" / "issue5_host.sh").read_text()
+    summary = script.split("<<'PY'\n", 1)[1].split("\nPY\n", 1)[0]
+    runs = tmp_path / "runs"
+    runs.mkdir(exist_ok=True)
+    (runs / f"{stem}.json").write_text(json.dumps({"args": {}, "ranks": [row]}))
+    proc = subprocess.run([sys.executable, "-", str(runs)], input=summary, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT / "benchmarks")})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
 def test_only_a_difference_confined_to_the_first_two_steps_is_run_again():
     assert differs_only_before_step_2(["a", "x", "c", "d"], ["b", "x", "c", "d"])
     assert differs_only_before_step_2(["a", "x", "c"], ["b", "y", "c"])
@@ -328,15 +341,8 @@ def test_pretrain_gpt_offload_window_times_plain_steps_before_and_after(tmp_path
     assert stop["plain_before_steps_counted"] == 2 and stop["plain_steps_counted"] == 1  # steps 1-2 and 7
     before, after = statistics.median(ours["step_ms"][1:3]), ours["step_ms"][7]
     assert stop["after_over_before_pct"] == pytest.approx(100 * (after / before - 1))
-    script = (ROOT / "benchmarks" / "gpu" / "issue5_host.sh").read_text()
-    summary = script.split("<<'PY'\n", 1)[1].split("\nPY\n", 1)[0]
-    runs = tmp_path / "runs"
-    runs.mkdir()
-    (runs / "mid_core_attn-none-1.json").write_text(json.dumps({"args": {}, "ranks": [ours]}))
-    proc = subprocess.run([sys.executable, "-", str(runs)], input=summary, capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT / "benchmarks")})
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "offloaded steps 3..4 (released after: keep)" in proc.stdout and "after over before" in proc.stdout
+    printed = issue5_summary(tmp_path, "mid_core_attn-none-1", ours)
+    assert "offloaded steps 3..4 (released after: keep)" in printed and "after over before" in printed
 
 
 @pytest.mark.multiproc
@@ -355,16 +361,9 @@ def test_pretrain_gpt_alternate_runtime_switches_our_settings_between_offloaded_
     assert switched["held_per_step"] == [switched["settings"], switched["defaults"]] * 2 + [switched["settings"]]
     assert switched["medians"]["runtime_cpu_ms"]["test"] > 0 and switched["medians"]["runtime_cpu_ms"]["default"] > 0
     # issue5_host.sh's summary (its Python, run here on this run's JSON) names the settings and both host times
-    script = (ROOT / "benchmarks" / "gpu" / "issue5_host.sh").read_text()
-    summary = script.split("<<'PY'\n", 1)[1].split("\nPY\n", 1)[0]
-    runs = tmp_path / "runs"
-    runs.mkdir()
-    (runs / "sw_core_attn-none-1.json").write_text(json.dumps({"args": {}, "ranks": [ours]}))
-    proc = subprocess.run([sys.executable, "-", str(runs)], input=summary, capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT / "benchmarks")})
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    printed = issue5_summary(tmp_path, "sw_core_attn-none-1", ours)
     assert ("settings {'flush_layers': 1, 'reload_layers': 2, 'prefetch': 'late'} against {'flush_layers': 2, "
-            "'reload_layers': 1, 'prefetch': 'tail'}") in proc.stdout
+            "'reload_layers': 1, 'prefetch': 'tail'}") in printed
 
 
 @pytest.mark.parametrize("flags, says", [
