@@ -92,6 +92,10 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     a("--at-offload-stop", default="keep", choices=("keep", "empty-cache", "release-host", "both"),
       help="with --offload-first-steps: what to release before step K (untimed): nothing, the device caching "
            "allocator's free segments, our pinned host buffers and PyTorch's cached pinned blocks, or both")
+    a("--spare-streams", type=int, default=0, metavar="N",
+      help="take N streams from PyTorch's pool before the first step and never use them, as our runtime takes its "
+           "two copy streams: whether that alone moves NCCL's streams to slower hardware queues (no offloading "
+           "needed; mcore_offload/runtime/side_streams.py)")
     a("--host-delay-us", type=float, nargs=2, default=None, metavar=("FWD", "BWD"),
       help="every other step, spin FWD us at each transformer layer's forward and BWD us at its backward "
            "(benchmarks/host_delay.py): the paired overhead over the delay is the host time the step exposes; "

@@ -334,8 +334,10 @@ def test_pretrain_gpt_offload_window_times_plain_steps_before_and_after(tmp_path
     """--offload-from-step S --offload-first-steps K: steps S..K-1 offload, those before and after are plain, the
     losses are the baseline's, and issue5_host.sh's summary reports after over before."""
     base, ours = tiny_base_and_ours(tmp_path, 29643, ["--train-iters", "8", "--warmup-steps", "1"],
-                                    ["core_attn", "--offload-from-step", "3", "--offload-first-steps", "5"])
+                                    ["core_attn", "--offload-from-step", "3", "--offload-first-steps", "5",
+                                     "--spare-streams", "2"])  # no streams on a CPU; recorded all the same
     assert ours["loss_hex"] == base["loss_hex"]
+    assert ours["spare_streams"] == 2 and base["spare_streams"] == 0
     assert ours["offload"]["steps"] == 2
     stop = ours["offload_stop"]
     assert stop["plain_before_steps_counted"] == 2 and stop["plain_steps_counted"] == 1  # steps 1-2 and 7

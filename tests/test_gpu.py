@@ -93,6 +93,16 @@ def test_cuda_bitwise_equal_pinned_pool_warm_after_step_0_and_telemetry(monkeypa
     assert summary.host_resident_bytes == 0
 
 
+@pytest.mark.parametrize("kind", ["aligned", "high-priority"])
+def test_cuda_side_stream_kinds_are_bitwise_equal(monkeypatch, kind):
+    monkeypatch.setenv("MCORE_OFFLOAD_SIDE_STREAMS", kind)
+    base = cuda_run([], steps=3)
+    got = cuda_run(["core_attn"], steps=3)
+    assert all(same(a, b) for a, b in zip(base, got))
+    streams = [s for t in _TRANSPORTS.values() for s in (t.d2h_stream, t.h2d_stream)]
+    assert len(streams) == 2 and all((s.priority < 0) == (kind == "high-priority") for s in streams)
+
+
 @pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt], ids=["exception", "interrupt"])
 def test_a_fault_inside_a_forward_leaves_nothing_and_the_next_step_is_normal(exc):
     base = cuda_run([], steps=3)

@@ -19,6 +19,8 @@
 #    runtime in place, nothing offloaded), to time against "baseline" in the same run;
 #    stop_NAME / stopec_NAME / stoph_NAME / stopb_NAME: NAME offloaded in steps 0..STOP_AT-1 (default 12) only, then
 #    paused, releasing nothing / the device cache / the host buffers / both first (benchmarks/offload_stop.py);
+#    NAME_ssa / NAME_ssh: MCORE_OFFLOAD_SIDE_STREAMS=aligned / high-priority (runtime/side_streams.py); spareN_NAME:
+#    NAME after taking N pooled streams that nothing uses (--spare-streams N: does taking streams alone slow a step?);
 #    mid_NAME: NAME offloaded in steps MID_FROM..MID_TO-1 only (default 20..29), plain before and after: in one
 #    process, do plain steps after offloading run slower than before it?
 #    NAME_bd: NAME with --runtime-breakdown (suffix order NAME_torchcopy_nochain_bd);
@@ -73,8 +75,11 @@ for rep in $(seq 1 "${REPS:-2}"); do
       case ${name%@old} in *_f4*) envs="$envs MCORE_OFFLOAD_FLUSH_LAYERS=4" ;; esac
       case ${name%@old} in *_r2*) envs="$envs MCORE_OFFLOAD_RELOAD_LAYERS=2" ;; esac
       case ${name%@old} in *_coal*) envs="$envs MCORE_OFFLOAD_COALESCE_RELOADS=1" ;; esac
+      case ${name%@old} in *_ssa*) envs="$envs MCORE_OFFLOAD_SIDE_STREAMS=aligned" ;;
+        *_ssh*) envs="$envs MCORE_OFFLOAD_SIDE_STREAMS=high-priority" ;; esac
+      spare=""; nosp=$name; case $name in spare[0-9]*_*) n=${name%%_*}; spare="--spare-streams ${n#spare}"; nosp=${name#*_} ;; esac
       case ${name%@old} in *_py*) envs="$envs MCORE_OFFLOAD_NATIVE=0" ;; *) envs="$envs MCORE_OFFLOAD_NATIVE=${NATIVE:-1}" ;; esac
-      case ${name%@old} in alt_*) alt="--alternate-offload --alternate-period ${ALT_PERIOD:-2}" ;;
+      case ${nosp%@old} in alt_*) alt="--alternate-offload --alternate-period ${ALT_PERIOD:-2}" ;;
         idle_*) alt="--offload-paused" ;;
         stop_*) alt="--offload-first-steps ${STOP_AT:-12}" ;;
         stopec_*) alt="--offload-first-steps ${STOP_AT:-12} --at-offload-stop empty-cache" ;;
@@ -84,7 +89,7 @@ for rep in $(seq 1 "${REPS:-2}"); do
         sw_*) alt="--alternate-runtime ${SWITCH:-flush_layers=4 reload_layers=2} --alternate-period ${ALT_PERIOD:-2}" ;;
         *) alt="" ;; esac
       case ${name%@old} in *_bd) alt="$alt --runtime-breakdown" ;; esac
-      base=${name%@old}; base=${base//_wc/}; base=${base//_coal/}; base=${base//_py/}; base=${base//_f4/}; base=${base//_r2/}; base=${base#alt_}; base=${base#sw_}; base=${base#idle_}; base=${base#stop_}; base=${base#stopec_}; base=${base#stoph_}; base=${base#stopb_}; base=${base#mid_}; base=${base%_bd}; base=${base%_nochain}; base=${base%_torchcopy}
+      base=${name%@old}; base=${base#spare[0-9]_}; base=${base#spare[0-9][0-9]_}; base=${base//_ssa/}; base=${base//_ssh/}; base=${base//_wc/}; base=${base//_coal/}; base=${base//_py/}; base=${base//_f4/}; base=${base//_r2/}; base=${base#alt_}; base=${base#sw_}; base=${base#idle_}; base=${base#stop_}; base=${base#stopec_}; base=${base#stoph_}; base=${base#stopb_}; base=${base#mid_}; base=${base%_bd}; base=${base%_nochain}; base=${base%_torchcopy}
       case $base in baseline) flags="" ;; core_attn) flags=$OFF ;;
         hooks_only) flags="$OFF --min-offloaded-tensor-size 1000000000000" ;;
         attn) flags="--fine-grained-activation-offloading --offload-modules qkv_linear core_attn attn_proj" ;;
@@ -102,7 +107,7 @@ for rep in $(seq 1 "${REPS:-2}"); do
       i=$((i + 1)); tag=${name/@old/_old}; tag=${tag/@native/_native}-$bind-$rep
       rm -f "$out/$tag.json"  # a JSON left from an earlier run must not pass for this one's
       env $envs PYTHONPATH=${tree:+$tree:}$PYTHONPATH timeout ${RUN_TIMEOUT:-150} torchrun --nproc-per-node ${NPROC:-1} \
-        --master-port $((29520 + i)) benchmarks/pretrain_gpt.py $A $flags $alt ${SYNCS:+--time-syncs} ${EXTRA:-} \
+        --master-port $((29520 + i)) benchmarks/pretrain_gpt.py $A $flags $alt $spare ${SYNCS:+--time-syncs} ${EXTRA:-} \
         --cpu-bind "$bind" --json-out "$out/$tag.json" --label "$name" > "$out/$tag.log" 2>&1 || {
           # rank 0 writes the JSON after the last step: a run stopped after that (torchrun's teardown past
           # RUN_TIMEOUT) has complete results

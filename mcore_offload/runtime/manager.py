@@ -34,6 +34,7 @@ from mcore_offload.runtime.auto_choice import Plan
 from mcore_offload.runtime.handler import ChunkOffloadHandler
 from mcore_offload.runtime.native import load_native
 from mcore_offload.runtime.saved import Entry, Group
+from mcore_offload.runtime.side_streams import side_stream_kind
 from mcore_offload.runtime.transport import host_memory_kind, reset_transports, settle_pools
 from mcore_offload.summary import OffloadSummary
 
@@ -146,6 +147,7 @@ class OffloadManager:
         self.reload_layers = reload_layers_from_env()
         self.prefetch = choice_env("MCORE_OFFLOAD_PREFETCH", DEFAULT_PREFETCH, ("layer", "tail", "late"))
         self.host_memory = host_memory_kind()  # a bad MCORE_OFFLOAD_HOST_MEMORY fails here, before any step
+        self.side_streams = side_stream_kind()  # and a bad MCORE_OFFLOAD_SIDE_STREAMS
         # the C++ saved-tensor hooks (runtime/native), or None: the Python ones (MCORE_OFFLOAD_NATIVE)
         self.native = load_native()
         # vp_stage -> the layers its chunk ran in its last finished forward (layer_boundary aligns bursts to it)

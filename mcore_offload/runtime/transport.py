@@ -25,6 +25,7 @@ from mcore_offload.runtime.cudart import (
 )
 from mcore_offload.runtime.host_pool import HostBufferPool
 from mcore_offload.runtime.native import load_native
+from mcore_offload.runtime.side_streams import make_side_streams
 from mcore_offload.runtime.telemetry import LinkTelemetry
 
 logger = logging.getLogger(__name__)
@@ -158,8 +159,7 @@ class CudaTransport(Transport):
         self.pool = HostBufferPool(pin=True)
         self.device = device
         self.device_index = device.index if device.index is not None else torch.cuda.current_device()
-        self.d2h_stream = torch.cuda.Stream(device=device)
-        self.h2d_stream = torch.cuda.Stream(device=device)
+        self.d2h_stream, self.h2d_stream = make_side_streams(device)  # MCORE_OFFLOAD_SIDE_STREAMS
         self.telemetry = LinkTelemetry(self._timing_event)
         # Recorded on the compute stream and waited on by a side stream right away: a wait binds to the
         # record before it, so one event per direction serves every burst.
