@@ -4,6 +4,10 @@ third of native's overhead" line), from the JSON of two alternating runs (``--al
     python benchmarks/overhead_ratio.py OURS.json NATIVE.json [--limit 0.3333] [--json-out FILE]
     python benchmarks/overhead_ratio.py --plot OUT.png ROWS.json ...   # a picture of earlier --json-out files
 
+Window runs (``--offload-from-step S --offload-first-steps K``: plain steps, then offloaded ones, in one process;
+``offload_stop.py``) are compared the same way, their overhead taken against the plain steps before offloading first
+ran: no lasting state of an alternation's plain steps can bias it (session 25). A side's runs must all be of one kind.
+
 Several files per side (``--ours A.json B.json --native C.json``) pool their pairs per rank. The verdict per rank:
 ``met`` where the interval's upper end is at or under the limit, ``not met`` where its lower end is above it,
 ``unresolved`` otherwise. Each run's pairs are recomputed from its ``step_ms`` and ``alternation.on_steps`` with the
@@ -14,10 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from offload_stop import over_pct, window_steps  # noqa: E402
 from paired_steps import first_counted_step, overhead_ratio_interval, pair_values  # noqa: E402
 
 
@@ -32,6 +38,71 @@ def run_pairs(path: str) -> dict[int, list[float]]:
             raise ValueError(f"{path}: rank {row['rank']} has no alternation data; run with --alternate-offload")
         out[row["rank"]] = pair_values(row["step_ms"], alt["on_steps"], first)
     return out
+
+
+def run_windows(path: str) -> dict[int, tuple[list[float], list[float]]]:
+    """Per rank, one window run's counted (offloaded, plain-before) step times (:func:`offload_stop.window_steps`)."""
+    doc = json.loads(Path(path).read_text())
+    out = {}
+    for row in doc["ranks"]:
+        stop = row.get("offload_stop")
+        if stop is None or not stop.get("plain_before_steps_counted"):
+            raise ValueError(f"{path}: rank {row['rank']} has no plain steps before its offloaded ones; run with "
+                             "--offload-from-step S --offload-first-steps K, S past the warm-up")
+        phases = window_steps(row["step_ms"], doc["args"]["warmup_steps"], stop["first_offloaded_step"],
+                              stop["first_plain_step"])
+        if len(phases["offloaded"]) < 2:
+            raise ValueError(f"{path}: rank {row['rank']} counts under two offloaded steps; widen the window")
+        out[row["rank"]] = (phases["offloaded"], phases["before"])
+    return out
+
+
+def window_ratio_interval(ours: list[tuple[list[float], list[float]]], native: list[tuple[list[float], list[float]]],
+                          rounds: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """Ours' window overhead over native's (each the mean over a side's runs of the offloaded steps' median over the
+    plain-before steps' median, less 1), with a bootstrap 95 % interval: every phase of every run resampled on its
+    own in each round. ``(ratio, low, high)``; rounds where native's overhead is not positive are dropped."""
+    def side(runs, pick) -> float:
+        return sum(over_pct(pick(off), pick(before)) for off, before in runs) / len(runs)
+
+    base = side(native, list)
+    if base <= 0:
+        raise ValueError(f"native's window overhead is {base:+.2f} %: a ratio to it means nothing")
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(rounds):
+        n = side(native, lambda v: rng.choices(v, k=len(v)))
+        if n > 0:
+            ratios.append(side(ours, lambda v: rng.choices(v, k=len(v))) / n)
+    if len(ratios) < 0.95 * rounds:
+        raise ValueError("native's overhead is not clearly positive: over 5 % of the resamples put it at or under 0")
+    ratios.sort()
+    k = len(ratios)
+    return side(ours, list) / base, ratios[int(0.025 * k)], ratios[min(int(0.975 * k), k - 1)]
+
+
+def is_window_run(path: str) -> bool:
+    """Whether a run's rank 0 timed an offloading window rather than alternating steps."""
+    row = json.loads(Path(path).read_text())["ranks"][0]
+    return row.get("alternation") is None and row.get("offload_stop") is not None
+
+
+def compare_windows(ours: list[str], native: list[str], limit: float) -> list[dict]:
+    o = [run_windows(p) for p in ours]
+    n = [run_windows(p) for p in native]
+    ranks = sorted(o[0])
+    if any(sorted(r) != ranks for r in o + n):
+        raise ValueError(f"the runs have different ranks: {[sorted(r) for r in o + n]}")
+    rows = []
+    for rank in ranks:
+        ratio, lo, hi = window_ratio_interval([r[rank] for r in o], [r[rank] for r in n])
+        verdict = "met" if hi <= limit else "not met" if lo > limit else "unresolved"
+        rows.append({"rank": rank, "runs_ours": len(o), "runs_native": len(n),
+                     "overhead_ours_pct": round(sum(over_pct(*r[rank]) for r in o) / len(o), 2),
+                     "overhead_native_pct": round(sum(over_pct(*r[rank]) for r in n) / len(n), 2),
+                     "ratio": round(ratio, 3), "ratio_ci95": [round(lo, 3), round(hi, 3)], "limit": limit,
+                     "verdict": verdict, "kind": "window"})
+    return rows
 
 
 def pooled(paths: list[str]) -> dict[int, list[float]]:
@@ -105,12 +176,16 @@ def main() -> int:
         ours, native = [args.files[0]], [args.files[1]]
     if not ours or not native:
         ap.error("give ours' and native's runs")
-    rows = compare(ours, native, args.limit)
-    print(f"{'rank':>4}  {'pairs':>9}  {'ratio':>6}  95 % interval      verdict (limit {args.limit:.3f})")
+    windows = [is_window_run(p) for p in ours + native]
+    if any(windows) and not all(windows):
+        ap.error("compare alternating runs with alternating runs and window runs with window runs")
+    rows = (compare_windows if windows[0] else compare)(ours, native, args.limit)
+    print(f"{'rank':>4}  {'runs' if windows[0] else 'pairs':>9}  {'ratio':>6}  95 % interval      verdict "
+          f"(limit {args.limit:.3f})")
     for r in rows:
         lo, hi = r["ratio_ci95"]
-        print(f"{r['rank']:>4}  {r['pairs_ours']:>4}/{r['pairs_native']:<4}  {r['ratio']:>6.3f}  [{lo:.3f}, {hi:.3f}]"
-              f"  {r['verdict']}")
+        n_ours, n_native = (r["runs_ours"], r["runs_native"]) if windows[0] else (r["pairs_ours"], r["pairs_native"])
+        print(f"{r['rank']:>4}  {n_ours:>4}/{n_native:<4}  {r['ratio']:>6.3f}  [{lo:.3f}, {hi:.3f}]  {r['verdict']}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"ours": ours, "native": native, "rows": rows}, indent=1))
     return 0

@@ -248,8 +248,8 @@ def main(argv=None) -> int:
         switch = RuntimeSwitch(args.alternate_runtime)
     config = build_config(args)
     chunks = build_model(args, config)
-    native_pause = None  # --alternate-offload on megatron-core 0.16: native's switches, off in the odd steps
-    if args.alternate_offload and not ours:
+    native_pause = None  # native's switches on megatron-core 0.16, off in plain steps (alternation or window)
+    if (args.alternate_offload or args.offload_first_steps is not None) and not ours:
         from native_pause import NativePause
 
         native_pause = NativePause(chunks)
@@ -439,6 +439,8 @@ def main(argv=None) -> int:
         for key in ("stall_ms", "d2h_GBps", "h2d_GBps", "runtime_cpu_ms"):
             # the summary records offloading steps only: skip those of the warm-up
             skip = args.warmup_steps if switch is not None else sum(on_steps[:args.warmup_steps])
+            if args.offload_first_steps is not None:  # a window's first two offloaded steps are its warm-up
+                skip = sum(on_steps[:max(args.warmup_steps, args.offload_from_step + 2)])
             vals = [v for v in per_step[key][skip:] if v is not None]
             row[key] = statistics.median(vals) if vals else None
         row["host_bytes_at_peak"] = at_peak

@@ -333,18 +333,21 @@ def test_pretrain_gpt_offload_first_steps_then_plain_keeps_the_loss(tmp_path, re
 def test_pretrain_gpt_offload_window_times_plain_steps_before_and_after(tmp_path):
     """--offload-from-step S --offload-first-steps K: steps S..K-1 offload, those before and after are plain, the
     losses are the baseline's, and issue5_host.sh's summary reports after over before."""
-    base, ours = tiny_base_and_ours(tmp_path, 29643, ["--train-iters", "8", "--warmup-steps", "1"],
-                                    ["core_attn", "--offload-from-step", "3", "--offload-first-steps", "5",
+    base, ours = tiny_base_and_ours(tmp_path, 29643, ["--train-iters", "9", "--warmup-steps", "1"],
+                                    ["core_attn", "--offload-from-step", "3", "--offload-first-steps", "6",
                                      "--spare-streams", "2"])  # no streams on a CPU; recorded all the same
     assert ours["loss_hex"] == base["loss_hex"]
     assert ours["spare_streams"] == 2 and base["spare_streams"] == 0
-    assert ours["offload"]["steps"] == 2
+    assert ours["offload"]["steps"] == 3
     stop = ours["offload_stop"]
-    assert stop["plain_before_steps_counted"] == 2 and stop["plain_steps_counted"] == 1  # steps 1-2 and 7
-    before, after = statistics.median(ours["step_ms"][1:3]), ours["step_ms"][7]
+    # plain steps 1-2 before, offloaded step 5 counted (3-4 are the window's warm-up), plain step 8 after
+    assert (stop["plain_before_steps_counted"], stop["offloaded_steps_counted"], stop["plain_steps_counted"]) == (
+        2, 1, 1)
+    before, offloaded, after = statistics.median(ours["step_ms"][1:3]), ours["step_ms"][5], ours["step_ms"][8]
     assert stop["after_over_before_pct"] == pytest.approx(100 * (after / before - 1))
+    assert stop["offloaded_over_before_pct"] == pytest.approx(100 * (offloaded / before - 1))
     printed = issue5_summary(tmp_path, "mid_core_attn-none-1", ours)
-    assert "offloaded steps 3..4 (released after: keep)" in printed and "after over before" in printed
+    assert "offloaded steps 3..5 (released after: keep)" in printed and "after over before" in printed
 
 
 @pytest.mark.multiproc

@@ -22,7 +22,8 @@
 #    NAME_ssa / NAME_ssh: MCORE_OFFLOAD_SIDE_STREAMS=aligned / high-priority (runtime/side_streams.py); spareN_NAME:
 #    NAME after taking N pooled streams that nothing uses (--spare-streams N: does taking streams alone slow a step?);
 #    mid_NAME: NAME offloaded in steps MID_FROM..MID_TO-1 only (default 20..29), plain before and after: in one
-#    process, do plain steps after offloading run slower than before it?
+#    process, do plain steps after offloading run slower than before it? and the offloaded steps' overhead over the
+#    plain ones before (mid_NAME@native: native's, and the summary's ratio of the two, overhead_ratio.py).
 #    NAME_bd: NAME with --runtime-breakdown (suffix order NAME_torchcopy_nochain_bd);
 #    NAME_torchcopy: PyTorch's copy_ instead of the raw cudaMemcpyAsync (MCORE_OFFLOAD_RAW_COPY=0); NAME_nochain: one
 #    group per point (MCORE_OFFLOAD_CHAIN_POINTS=0; suffix order NAME_torchcopy_nochain); "experts" and
@@ -132,7 +133,9 @@ for stem, r in runs.items():
         print(f"  offloaded steps {stop['first_offloaded_step']}..{stop['first_plain_step'] - 1} (released after: "
               f"{stop['released']}): plain steps from two after, median {stop['plain_ms_median']:.1f} ms over "
               f"{stop['plain_steps_counted']}; before, {stop['plain_before_ms_median']} ms over "
-              f"{stop['plain_before_steps_counted']}: after over before {stop['after_over_before_pct']} %")
+              f"{stop['plain_before_steps_counted']}: after over before {stop['after_over_before_pct']} %; offloaded "
+              f"{stop.get('offloaded_ms_median')} ms over {stop.get('offloaded_steps_counted')}: over before "
+              f"{stop.get('offloaded_over_before_pct')} % {stop.get('offloaded_over_before_ci95_pct')}")
     alt = r.get("alternation")
     if alt:
         print(f"  alternating: {alt['pairs']} pairs, paired overhead {alt.get('paired_overhead_pct')} % "
@@ -171,13 +174,16 @@ for stem, r in runs.items():
             print(f"    {name:46s} {v['us_per_step']:9.1f} us/step {v['calls_per_step']:7.1f} calls {v['us_per_call']:8.2f} us/call")
 # ours against native, per rank, wherever a variant ran both ways (benchmarks/overhead_ratio.py: issue 5's third)
 sys.path.insert(0, "benchmarks")
-from overhead_ratio import compare  # noqa: E402
+from overhead_ratio import compare, compare_windows  # noqa: E402
 
 for stem in runs:
     native = stem.replace("-", "_native-", 1)
-    if "_native" not in stem and native in runs and runs[stem].get("alternation"):
+    window = runs[stem].get("alternation") is None and (runs[stem].get("offload_stop") or {}).get(
+        "plain_before_steps_counted")
+    if "_native" not in stem and native in runs and (runs[stem].get("alternation") or window):
         try:
-            rows = compare([f"{sys.argv[1]}/{stem}.json"], [f"{sys.argv[1]}/{native}.json"], 1 / 3)
+            rows = (compare_windows if window else compare)([f"{sys.argv[1]}/{stem}.json"],
+                                                            [f"{sys.argv[1]}/{native}.json"], 1 / 3)
         except ValueError as e:
             print(f"  {stem} / native: no ratio ({e})")
             continue
