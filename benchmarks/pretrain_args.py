@@ -95,7 +95,12 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     a("--spare-streams", type=int, default=0, metavar="N",
       help="take N streams from PyTorch's pool before the first step and never use them, as our runtime takes its "
            "two copy streams: whether that alone moves NCCL's streams to slower hardware queues (no offloading "
-           "needed; mcore_offload/runtime/side_streams.py)")
+           "needed; benchmarks/state_probes.py, mcore_offload/runtime/side_streams.py)")
+    a("--pin-host-gib", type=float, default=0.0, metavar="G",
+      help="hold G GiB of pinned host memory from before the first step, never used (benchmarks/state_probes.py)")
+    a("--touch-transport", action="store_true",
+      help="ours, with --offload-paused: make our transport (streams, events, CUDA runtime bindings) before the "
+           "first step, offloading nothing (benchmarks/state_probes.py)")
     a("--host-delay-us", type=float, nargs=2, default=None, metavar=("FWD", "BWD"),
       help="every other step, spin FWD us at each transformer layer's forward and BWD us at its backward "
            "(benchmarks/host_delay.py): the paired overhead over the delay is the host time the step exposes; "
@@ -132,6 +137,9 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     if args.offload_from_step and (args.offload_first_steps is None
                                    or not 0 <= args.offload_from_step < args.offload_first_steps):
         p.error("--offload-from-step S starts the offloaded steps S..K-1: add --offload-first-steps K with K > S >= 0")
+    if args.touch_transport and not args.offload_paused:
+        p.error("--touch-transport makes our transport without offloading: add --offload-paused (and "
+                "--fine-grained-activation-offloading --offload-modules ...)")
     if args.at_offload_stop != "keep" and args.offload_first_steps is None:
         p.error("--at-offload-stop says what to release when offloading stops: add --offload-first-steps K")
     if args.alternate_runtime:

@@ -36,6 +36,7 @@ if str(BENCHMARKS) not in sys.path:  # the helper modules beside this script, al
 import pretrain_args  # noqa: E402
 from offload_stop import offload_stop_summary, release_after_offloading  # noqa: E402
 from run_info import native_accounting, peak_reader, versions  # noqa: E402
+from state_probes import take_probes  # noqa: E402
 
 # the caching allocator's layout after the last step (torch.cuda.memory_stats keys)
 ALLOCATOR_STATE = ("segment.all.current", "active.all.current", "inactive_split.all.current",
@@ -220,9 +221,7 @@ def main(argv=None) -> int:
         os.environ["NVTE_FLASH_ATTN"] = "1" if args.attention_backend == "flash" else "0"
         os.environ["NVTE_FUSED_ATTN"] = "1" if args.attention_backend == "fused" else "0"
     device = init_distributed(args)
-    # taken, never used: pooled streams are not given back, so the handles need not be kept
-    for _ in range(args.spare_streams if device.type == "cuda" else 0):
-        torch.cuda.Stream(device=device)
+    probes = take_probes(device, args.spare_streams, args.pin_host_gib, args.touch_transport)  # noqa: F841 (held)
     rank, world = dist.get_rank(), dist.get_world_size()
     import megatron.core as mc
     from megatron.core import parallel_state
@@ -419,7 +418,8 @@ def main(argv=None) -> int:
         "memory_timeline_MiB": [(w, round(b / 2**20, 1)) for w, b in TIMELINE or []],
         "offload_modules": args.offload_modules if args.fine_grained_activation_offloading else [],
         "allocator_per_step": allocator if cuda else None,
-        "spare_streams": args.spare_streams,
+        "state_probes": {"spare_streams": args.spare_streams, "pin_host_gib": args.pin_host_gib,
+                         "touch_transport": args.touch_transport},
         "cpu_bind": args.cpu_bind, "cpus": getattr(args, "cpus", None), "loadavg": os.getloadavg(),
         "gc_ms": gc_clock.per_step, "gc_collections": gc_clock.collections,
         "gc_ms_median": statistics.median(gc_clock.per_step[args.warmup_steps:] or gc_clock.per_step),

@@ -323,6 +323,7 @@ def test_pretrain_gpt_offload_first_steps_then_plain_keeps_the_loss(tmp_path, re
     assert stop["after_over_before_pct"] is None
     for flags, says in ((["--offload-first-steps", "2"], "--offload-first-steps offloads in the first K steps only"),
                         (["--offload-from-step", "2"], "--offload-from-step S starts the offloaded steps S..K-1"),
+                        (["--touch-transport"], "--touch-transport makes our transport without offloading"),
                         (["--at-offload-stop", "both"], "--at-offload-stop says what to release")):
         proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pretrain_gpt.py"), *flags],
                               capture_output=True, text=True, timeout=300)
@@ -335,9 +336,10 @@ def test_pretrain_gpt_offload_window_times_plain_steps_before_and_after(tmp_path
     losses are the baseline's, and issue5_host.sh's summary reports after over before."""
     base, ours = tiny_base_and_ours(tmp_path, 29643, ["--train-iters", "9", "--warmup-steps", "1"],
                                     ["core_attn", "--offload-from-step", "3", "--offload-first-steps", "6",
-                                     "--spare-streams", "2"])  # no streams on a CPU; recorded all the same
+                                     "--spare-streams", "2", "--pin-host-gib", "0.5"])  # nothing taken on a CPU
     assert ours["loss_hex"] == base["loss_hex"]
-    assert ours["spare_streams"] == 2 and base["spare_streams"] == 0
+    assert ours["state_probes"] == {"spare_streams": 2, "pin_host_gib": 0.5, "touch_transport": False}
+    assert base["state_probes"] == {"spare_streams": 0, "pin_host_gib": 0.0, "touch_transport": False}
     assert ours["offload"]["steps"] == 3
     stop = ours["offload_stop"]
     # plain steps 1-2 before, offloaded step 5 counted (3-4 are the window's warm-up), plain step 8 after

@@ -19,8 +19,9 @@
 #    runtime in place, nothing offloaded), to time against "baseline" in the same run;
 #    stop_NAME / stopec_NAME / stoph_NAME / stopb_NAME: NAME offloaded in steps 0..STOP_AT-1 (default 12) only, then
 #    paused, releasing nothing / the device cache / the host buffers / both first (benchmarks/offload_stop.py);
-#    NAME_ssa / NAME_ssh: MCORE_OFFLOAD_SIDE_STREAMS=aligned / high-priority (runtime/side_streams.py); spareN_NAME:
-#    NAME after taking N pooled streams that nothing uses (--spare-streams N: does taking streams alone slow a step?);
+#    NAME_ssa / NAME_ssh: MCORE_OFFLOAD_SIDE_STREAMS=aligned / high-priority (runtime/side_streams.py); state probes
+#    (benchmarks/state_probes.py) as prefixes: spareN_NAME takes N pooled streams that nothing uses, pinN_NAME holds
+#    N GiB of pinned host memory, tt_idle_NAME makes our transport with nothing offloaded;
 #    mid_NAME: NAME offloaded in steps MID_FROM..MID_TO-1 only (default 20..29), plain before and after: in one
 #    process, do plain steps after offloading run slower than before it? and the offloaded steps' overhead over the
 #    plain ones before (mid_NAME@native: native's, and the summary's ratio of the two, overhead_ratio.py).
@@ -78,7 +79,13 @@ for rep in $(seq 1 "${REPS:-2}"); do
       case ${name%@old} in *_coal*) envs="$envs MCORE_OFFLOAD_COALESCE_RELOADS=1" ;; esac
       case ${name%@old} in *_ssa*) envs="$envs MCORE_OFFLOAD_SIDE_STREAMS=aligned" ;;
         *_ssh*) envs="$envs MCORE_OFFLOAD_SIDE_STREAMS=high-priority" ;; esac
-      spare=""; nosp=$name; case $name in spare[0-9]*_*) n=${name%%_*}; spare="--spare-streams ${n#spare}"; nosp=${name#*_} ;; esac
+      # state probes (benchmarks/state_probes.py), prefixes in any order before the variant's own name
+      spare=""; nosp=$name
+      while :; do case $nosp in
+          spare[0-9]*_*) n=${nosp%%_*}; spare="$spare --spare-streams ${n#spare}"; nosp=${nosp#*_} ;;
+          pin[0-9]*_*) n=${nosp%%_*}; spare="$spare --pin-host-gib ${n#pin}"; nosp=${nosp#*_} ;;
+          tt_*) spare="$spare --touch-transport"; nosp=${nosp#tt_} ;;
+          *) break ;; esac; done
       case ${name%@old} in *_py*) envs="$envs MCORE_OFFLOAD_NATIVE=0" ;; *) envs="$envs MCORE_OFFLOAD_NATIVE=${NATIVE:-1}" ;; esac
       case ${nosp%@old} in alt_*) alt="--alternate-offload --alternate-period ${ALT_PERIOD:-2}" ;;
         idle_*) alt="--offload-paused" ;;
@@ -90,7 +97,7 @@ for rep in $(seq 1 "${REPS:-2}"); do
         sw_*) alt="--alternate-runtime ${SWITCH:-flush_layers=4 reload_layers=2} --alternate-period ${ALT_PERIOD:-2}" ;;
         *) alt="" ;; esac
       case ${name%@old} in *_bd) alt="$alt --runtime-breakdown" ;; esac
-      base=${name%@old}; base=${base#spare[0-9]_}; base=${base#spare[0-9][0-9]_}; base=${base//_ssa/}; base=${base//_ssh/}; base=${base//_wc/}; base=${base//_coal/}; base=${base//_py/}; base=${base//_f4/}; base=${base//_r2/}; base=${base#alt_}; base=${base#sw_}; base=${base#idle_}; base=${base#stop_}; base=${base#stopec_}; base=${base#stoph_}; base=${base#stopb_}; base=${base#mid_}; base=${base%_bd}; base=${base%_nochain}; base=${base%_torchcopy}
+      base=${nosp%@old}; base=${base//_ssa/}; base=${base//_ssh/}; base=${base//_wc/}; base=${base//_coal/}; base=${base//_py/}; base=${base//_f4/}; base=${base//_r2/}; base=${base#alt_}; base=${base#sw_}; base=${base#idle_}; base=${base#stop_}; base=${base#stopec_}; base=${base#stoph_}; base=${base#stopb_}; base=${base#mid_}; base=${base%_bd}; base=${base%_nochain}; base=${base%_torchcopy}
       case $base in baseline) flags="" ;; core_attn) flags=$OFF ;;
         hooks_only) flags="$OFF --min-offloaded-tensor-size 1000000000000" ;;
         attn) flags="--fine-grained-activation-offloading --offload-modules qkv_linear core_attn attn_proj" ;;
