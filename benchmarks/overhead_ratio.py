@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from offload_stop import over_pct, window_steps  # noqa: E402
-from paired_steps import first_counted_step, overhead_ratio_interval, pair_values  # noqa: E402
+from paired_steps import bootstrap_ratio, first_counted_step, overhead_ratio_interval, pair_values  # noqa: E402
 
 
 def run_pairs(path: str) -> dict[int, list[float]]:
@@ -60,25 +59,12 @@ def run_windows(path: str) -> dict[int, tuple[list[float], list[float]]]:
 def window_ratio_interval(ours: list[tuple[list[float], list[float]]], native: list[tuple[list[float], list[float]]],
                           rounds: int = 2000, seed: int = 0) -> tuple[float, float, float]:
     """Ours' window overhead over native's (each the mean over a side's runs of the offloaded steps' median over the
-    plain-before steps' median, less 1), with a bootstrap 95 % interval: every phase of every run resampled on its
-    own in each round. ``(ratio, low, high)``; rounds where native's overhead is not positive are dropped."""
-    def side(runs, pick) -> float:
-        return sum(over_pct(pick(off), pick(before)) for off, before in runs) / len(runs)
+    plain-before steps' median, less 1), with a bootstrap 95 % interval in which every phase of every run is
+    resampled on its own (:func:`paired_steps.bootstrap_ratio`). ``(ratio, low, high)``."""
+    def side(runs: list[tuple[list[float], list[float]]]):
+        return lambda pick: sum(over_pct(pick(off), pick(before)) for off, before in runs) / len(runs)
 
-    base = side(native, list)
-    if base <= 0:
-        raise ValueError(f"native's window overhead is {base:+.2f} %: a ratio to it means nothing")
-    rng = random.Random(seed)
-    ratios = []
-    for _ in range(rounds):
-        n = side(native, lambda v: rng.choices(v, k=len(v)))
-        if n > 0:
-            ratios.append(side(ours, lambda v: rng.choices(v, k=len(v))) / n)
-    if len(ratios) < 0.95 * rounds:
-        raise ValueError("native's overhead is not clearly positive: over 5 % of the resamples put it at or under 0")
-    ratios.sort()
-    k = len(ratios)
-    return side(ours, list) / base, ratios[int(0.025 * k)], ratios[min(int(0.975 * k), k - 1)]
+    return bootstrap_ratio(side(ours), side(native), lambda base: f"window overhead is {base:+.2f} %", rounds, seed)
 
 
 def is_window_run(path: str) -> bool:

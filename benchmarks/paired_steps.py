@@ -20,6 +20,10 @@ from __future__ import annotations
 import math
 import random
 import statistics
+from collections.abc import Callable
+
+#: a resampler: ``list`` (the samples as they are) or one bootstrap draw
+Resample = Callable[[list[float]], list[float]]
 
 
 def first_counted_step(warmup_steps: int, period: int = 2) -> int:
@@ -103,6 +107,35 @@ def bootstrap_median_interval(values: list[float], rounds: int = 2000, seed: int
     return medians[int(0.025 * rounds)], medians[min(int(0.975 * rounds), rounds - 1)]
 
 
+def bootstrap_ratio(ours: Callable[[Resample], float], native: Callable[[Resample], float],
+                    describe: Callable[[float], str], rounds: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """Ours' overhead over native's with a bootstrap 95 % interval: ``(ratio, low, high)``. ``ours`` and ``native``
+    compute a side's overhead from its samples passed through a resampler (``list`` for the point estimate, a draw with
+    replacement in each round); ``describe`` words native's overhead in the error where it is not positive.
+
+    Rounds where native's resampled overhead is not positive have no ratio and are dropped (an error where over 5 %
+    are): a ratio to an overhead that may be nothing means nothing.
+    """
+    base = native(list)
+    if base <= 0:
+        raise ValueError(f"native's {describe(base)}: a ratio to it means nothing")
+    rng = random.Random(seed)
+
+    def draw(values: list[float]) -> list[float]:
+        return rng.choices(values, k=len(values))
+
+    ratios = []
+    for _ in range(rounds):
+        n = native(draw)
+        if n > 0:
+            ratios.append(ours(draw) / n)
+    if len(ratios) < 0.95 * rounds:
+        raise ValueError("native's overhead is not clearly positive: over 5 % of the resamples put it at or under 0")
+    ratios.sort()
+    k = len(ratios)
+    return ours(list) / base, ratios[int(0.025 * k)], ratios[min(int(0.975 * k), k - 1)]
+
+
 def overhead_ratio_interval(ours: list[float], native: list[float], rounds: int = 2000,
                             seed: int = 0) -> tuple[float, float, float]:
     """Ours' paired overhead over native's (each the median of its per-pair ratios less 1), with a bootstrap 95 %
@@ -110,25 +143,13 @@ def overhead_ratio_interval(ours: list[float], native: list[float], rounds: int 
 
     Why: "at most a third of native's overhead" is a statement about this ratio. Comparing ours' interval's upper
     bound with a third of native's lower bound asks more than that (both extremes at once) and leaves most runs
-    unresolved on a noisy host; this interval is of the ratio itself. Rounds where native's resampled overhead is
-    not positive have no ratio and are dropped (an error where too many are, see below).
+    unresolved on a noisy host; this interval is of the ratio itself (:func:`bootstrap_ratio`).
     """
     if not ours or not native:
         raise ValueError("both runs need at least one offloaded step with plain neighbours (alternation pairs)")
-    base = statistics.median(native) - 1
-    if base <= 0:
-        raise ValueError(f"native's paired overhead is {100 * base:+.2f} %: a ratio to it means nothing")
-    rng = random.Random(seed)
-    ratios = []
-    for _ in range(rounds):
-        n = statistics.median(rng.choices(native, k=len(native))) - 1
-        if n > 0:
-            ratios.append((statistics.median(rng.choices(ours, k=len(ours))) - 1) / n)
-    if len(ratios) < 0.95 * rounds:
-        raise ValueError("native's overhead is not clearly positive: over 5 % of the resamples put it at or under 0")
-    ratios.sort()
-    k = len(ratios)
-    return (statistics.median(ours) - 1) / base, ratios[int(0.025 * k)], ratios[min(int(0.975 * k), k - 1)]
+    return bootstrap_ratio(lambda pick: statistics.median(pick(ours)) - 1,
+                           lambda pick: statistics.median(pick(native)) - 1,
+                           lambda base: f"paired overhead is {100 * base:+.2f} %", rounds, seed)
 
 
 def _split_medians(values: list[float], on_steps: list[bool], first: int) -> tuple[float | None, float | None]:

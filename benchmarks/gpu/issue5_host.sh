@@ -181,12 +181,11 @@ for stem, r in runs.items():
             print(f"    {name:46s} {v['us_per_step']:9.1f} us/step {v['calls_per_step']:7.1f} calls {v['us_per_call']:8.2f} us/call")
 # ours against native, per rank, wherever a variant ran both ways (benchmarks/overhead_ratio.py: issue 5's third)
 sys.path.insert(0, "benchmarks")
-from overhead_ratio import compare, compare_windows  # noqa: E402
+from overhead_ratio import compare, compare_windows, is_window_run  # noqa: E402
 
 for stem in runs:
     native = stem.replace("-", "_native-", 1)
-    window = runs[stem].get("alternation") is None and (runs[stem].get("offload_stop") or {}).get(
-        "plain_before_steps_counted")
+    window = is_window_run(f"{sys.argv[1]}/{stem}.json")
     if "_native" not in stem and native in runs and (runs[stem].get("alternation") or window):
         try:
             rows = (compare_windows if window else compare)([f"{sys.argv[1]}/{stem}.json"],
