@@ -101,6 +101,9 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     a("--touch-transport", action="store_true",
       help="ours, with --offload-paused: make our transport (streams, events, CUDA runtime bindings) before the "
            "first step, offloading nothing (benchmarks/state_probes.py)")
+    a("--touch-transport-step", type=int, default=0, metavar="S",
+      help="with --touch-transport: make it before step S instead (S >= 1: after the first step has made NCCL's "
+           "pipeline communicator, as in a run whose offloading starts late)")
     a("--host-delay-us", type=float, nargs=2, default=None, metavar=("FWD", "BWD"),
       help="every other step, spin FWD us at each transformer layer's forward and BWD us at its backward "
            "(benchmarks/host_delay.py): the paired overhead over the delay is the host time the step exposes; "
@@ -140,6 +143,10 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     if args.touch_transport and not args.offload_paused:
         p.error("--touch-transport makes our transport without offloading: add --offload-paused (and "
                 "--fine-grained-activation-offloading --offload-modules ...)")
+    if args.touch_transport_step and not args.touch_transport:
+        p.error("--touch-transport-step S says when --touch-transport makes our transport: add --touch-transport")
+    if args.touch_transport_step < 0:
+        p.error(f"--touch-transport-step must be >= 0 (a step number), not {args.touch_transport_step}")
     if args.at_offload_stop != "keep" and args.offload_first_steps is None:
         p.error("--at-offload-stop says what to release when offloading stops: add --offload-first-steps K")
     if args.alternate_runtime:

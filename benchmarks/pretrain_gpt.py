@@ -221,7 +221,8 @@ def main(argv=None) -> int:
         os.environ["NVTE_FLASH_ATTN"] = "1" if args.attention_backend == "flash" else "0"
         os.environ["NVTE_FUSED_ATTN"] = "1" if args.attention_backend == "fused" else "0"
     device = init_distributed(args)
-    probes = take_probes(device, args.spare_streams, args.pin_host_gib, args.touch_transport)  # noqa: F841 (held)
+    probes = take_probes(device, args.spare_streams, args.pin_host_gib,  # held for the run
+                         args.touch_transport and not args.touch_transport_step)
     rank, world = dist.get_rank(), dist.get_world_size()
     import megatron.core as mc
     from megatron.core import parallel_state
@@ -330,6 +331,8 @@ def main(argv=None) -> int:
                 tracer.start()
         if breakdown is not None and step == args.warmup_steps:
             breakdown.recording = True
+        if args.touch_transport_step and step == args.touch_transport_step:
+            probes += take_probes(device, 0, 0.0, True)
         data = batches(args, step, device)
         opt.zero_grad(set_to_none=True)
         if cuda:
@@ -419,7 +422,7 @@ def main(argv=None) -> int:
         "offload_modules": args.offload_modules if args.fine_grained_activation_offloading else [],
         "allocator_per_step": allocator if cuda else None,
         "state_probes": {"spare_streams": args.spare_streams, "pin_host_gib": args.pin_host_gib,
-                         "touch_transport": args.touch_transport},
+                         "touch_transport": args.touch_transport, "touch_transport_step": args.touch_transport_step},
         "cpu_bind": args.cpu_bind, "cpus": getattr(args, "cpus", None), "loadavg": os.getloadavg(),
         "gc_ms": gc_clock.per_step, "gc_collections": gc_clock.collections,
         "gc_ms_median": statistics.median(gc_clock.per_step[args.warmup_steps:] or gc_clock.per_step),

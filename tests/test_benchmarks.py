@@ -293,8 +293,12 @@ def test_pretrain_gpt_alternate_offload_pauses_every_odd_step_and_keeps_the_loss
     # --offload-paused: the runtime in place and idle in every step: the baseline's losses, no step offloads
     idle = tiny_run(tmp_path / "idle.json", 29633, ["--train-iters", "5", "--warmup-steps", "1",
                                                     "--fine-grained-activation-offloading", "--offload-modules",
-                                                    "core_attn", "--offload-paused"])
+                                                    "core_attn", "--offload-paused", "--touch-transport",
+                                                    "--touch-transport-step", "2"])
     assert idle["loss_hex"] == base["loss_hex"]
+    # the probe's bookkeeping only: on the CPU there is no CUDA transport to make (benchmarks/state_probes.py)
+    assert idle["state_probes"] == {"spare_streams": 0, "pin_host_gib": 0.0, "touch_transport": True,
+                                    "touch_transport_step": 2}
     assert idle["offload"]["steps"] == 0 and ours["offload"]["steps"] == 3
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pretrain_gpt.py"), "--alternate-offload"],
                           capture_output=True, text=True, timeout=300)
@@ -324,6 +328,7 @@ def test_pretrain_gpt_offload_first_steps_then_plain_keeps_the_loss(tmp_path, re
     for flags, says in ((["--offload-first-steps", "2"], "--offload-first-steps offloads in the first K steps only"),
                         (["--offload-from-step", "2"], "--offload-from-step S starts the offloaded steps S..K-1"),
                         (["--touch-transport"], "--touch-transport makes our transport without offloading"),
+                        (["--touch-transport-step", "3"], "--touch-transport-step S says when"),
                         (["--at-offload-stop", "both"], "--at-offload-stop says what to release")):
         proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pretrain_gpt.py"), *flags],
                               capture_output=True, text=True, timeout=300)
@@ -338,8 +343,10 @@ def test_pretrain_gpt_offload_window_times_plain_steps_before_and_after(tmp_path
                                     ["core_attn", "--offload-from-step", "3", "--offload-first-steps", "6",
                                      "--spare-streams", "2", "--pin-host-gib", "0.5"])  # nothing taken on a CPU
     assert ours["loss_hex"] == base["loss_hex"]
-    assert ours["state_probes"] == {"spare_streams": 2, "pin_host_gib": 0.5, "touch_transport": False}
-    assert base["state_probes"] == {"spare_streams": 0, "pin_host_gib": 0.0, "touch_transport": False}
+    assert ours["state_probes"] == {"spare_streams": 2, "pin_host_gib": 0.5, "touch_transport": False,
+                                    "touch_transport_step": 0}
+    assert base["state_probes"] == {"spare_streams": 0, "pin_host_gib": 0.0, "touch_transport": False,
+                                    "touch_transport_step": 0}
     assert ours["offload"]["steps"] == 3
     stop = ours["offload_stop"]
     # plain steps 1-2 before, offloaded step 5 counted (3-4 are the window's warm-up), plain step 8 after

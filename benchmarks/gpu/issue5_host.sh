@@ -21,7 +21,8 @@
 #    paused, releasing nothing / the device cache / the host buffers / both first (benchmarks/offload_stop.py);
 #    NAME_ssa / NAME_ssh: MCORE_OFFLOAD_SIDE_STREAMS=aligned / high-priority (runtime/side_streams.py); state probes
 #    (benchmarks/state_probes.py) as prefixes: spareN_NAME takes N pooled streams that nothing uses, pinN_NAME holds
-#    N GiB of pinned host memory, tt_idle_NAME makes our transport with nothing offloaded;
+#    N GiB of pinned host memory, tt_idle_NAME makes our transport with nothing offloaded (ttS_idle_NAME: before step
+#    S, after NCCL's pipeline communicator exists); NAME_nccldbg: NCCL_DEBUG=INFO (INIT, P2P) in the run's log;
 #    mid_NAME: NAME offloaded in steps MID_FROM..MID_TO-1 only (default 20..29), plain before and after: in one
 #    process, do plain steps after offloading run slower than before it? and the offloaded steps' overhead over the
 #    plain ones before (mid_NAME@native: native's, and the summary's ratio of the two, overhead_ratio.py).
@@ -77,6 +78,7 @@ for rep in $(seq 1 "${REPS:-2}"); do
       case ${name%@old} in *_f4*) envs="$envs MCORE_OFFLOAD_FLUSH_LAYERS=4" ;; esac
       case ${name%@old} in *_r2*) envs="$envs MCORE_OFFLOAD_RELOAD_LAYERS=2" ;; esac
       case ${name%@old} in *_coal*) envs="$envs MCORE_OFFLOAD_COALESCE_RELOADS=1" ;; esac
+      case ${name%@old} in *_nccldbg*) envs="$envs NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,P2P" ;; esac
       case ${name%@old} in *_ssa*) envs="$envs MCORE_OFFLOAD_SIDE_STREAMS=aligned" ;;
         *_ssh*) envs="$envs MCORE_OFFLOAD_SIDE_STREAMS=high-priority" ;; esac
       # state probes (benchmarks/state_probes.py), prefixes in any order before the variant's own name
@@ -85,6 +87,7 @@ for rep in $(seq 1 "${REPS:-2}"); do
           spare[0-9]*_*) n=${nosp%%_*}; spare="$spare --spare-streams ${n#spare}"; nosp=${nosp#*_} ;;
           pin[0-9]*_*) n=${nosp%%_*}; spare="$spare --pin-host-gib ${n#pin}"; nosp=${nosp#*_} ;;
           tt_*) spare="$spare --touch-transport"; nosp=${nosp#tt_} ;;
+          tt[0-9]*_*) n=${nosp%%_*}; spare="$spare --touch-transport --touch-transport-step ${n#tt}"; nosp=${nosp#*_} ;;
           *) break ;; esac; done
       case ${name%@old} in *_py*) envs="$envs MCORE_OFFLOAD_NATIVE=0" ;; *) envs="$envs MCORE_OFFLOAD_NATIVE=${NATIVE:-1}" ;; esac
       case ${nosp%@old} in alt_*) alt="--alternate-offload --alternate-period ${ALT_PERIOD:-2}" ;;
@@ -97,7 +100,7 @@ for rep in $(seq 1 "${REPS:-2}"); do
         sw_*) alt="--alternate-runtime ${SWITCH:-flush_layers=4 reload_layers=2} --alternate-period ${ALT_PERIOD:-2}" ;;
         *) alt="" ;; esac
       case ${name%@old} in *_bd) alt="$alt --runtime-breakdown" ;; esac
-      base=${nosp%@old}; base=${base//_ssa/}; base=${base//_ssh/}; base=${base//_wc/}; base=${base//_coal/}; base=${base//_py/}; base=${base//_f4/}; base=${base//_r2/}; base=${base#alt_}; base=${base#sw_}; base=${base#idle_}; base=${base#stop_}; base=${base#stopec_}; base=${base#stoph_}; base=${base#stopb_}; base=${base#mid_}; base=${base%_bd}; base=${base%_nochain}; base=${base%_torchcopy}
+      base=${nosp%@old}; base=${base//_ssa/}; base=${base//_ssh/}; base=${base//_nccldbg/}; base=${base//_wc/}; base=${base//_coal/}; base=${base//_py/}; base=${base//_f4/}; base=${base//_r2/}; base=${base#alt_}; base=${base#sw_}; base=${base#idle_}; base=${base#stop_}; base=${base#stopec_}; base=${base#stoph_}; base=${base#stopb_}; base=${base#mid_}; base=${base%_bd}; base=${base%_nochain}; base=${base%_torchcopy}
       case $base in baseline) flags="" ;; core_attn) flags=$OFF ;;
         hooks_only) flags="$OFF --min-offloaded-tensor-size 1000000000000" ;;
         attn) flags="--fine-grained-activation-offloading --offload-modules qkv_linear core_attn attn_proj" ;;

@@ -170,8 +170,9 @@ class CudaRuntime:
         self.memcpy_batch: Any = None
         version = ctypes.c_int(0)
         get_version = getattr(lib, "cudaRuntimeGetVersion", None)
+        if get_version is not None and get_version(ctypes.byref(version)) != 0:
+            version.value = 0  # unknown
         if (os.environ.get("MCORE_OFFLOAD_BATCH_COPY", "0") == "1" and hasattr(lib, "cudaMemcpyBatchAsync")
-                and get_version is not None and get_version(ctypes.byref(version)) == 0
                 and version.value >= BATCH_COPY_MIN_VERSION):
             self.memcpy_batch = bind("cudaMemcpyBatchAsync", *BATCH_ARGTYPES)
         self.version = version.value
@@ -258,7 +259,9 @@ def load_runtime(maps_path: str = "/proc/self/maps") -> CudaRuntime | None:
             logger.info("no CUDA runtime library mapped in this process: offload copies use PyTorch's copy_")
             return None
         # RTLD_NOLOAD: the mapped library, or an OSError; never a second copy from disk
-        return CudaRuntime(ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_GLOBAL))
+        runtime = CudaRuntime(ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_GLOBAL))
+        logger.info("offload copies and events through the CUDA runtime at %s (version %d)", path, runtime.version)
+        return runtime
     except (OSError, AttributeError) as e:
         logger.info("raw CUDA runtime calls unavailable (%s): offload copies use PyTorch's copy_", e)
         return None
