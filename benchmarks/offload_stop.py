@@ -42,11 +42,9 @@ def release_after_offloading(what: str) -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     if what in ("release-host", "both"):
-        from mcore_offload.runtime import transport
+        from mcore_offload.runtime.transport import release_host_buffers
 
-        for t in transport._TRANSPORTS.values():
-            t.synchronize()
-            t.pool.clear()
+        release_host_buffers()
         empty_host = getattr(torch._C, "_host_emptyCache", None)
         if empty_host is not None:  # PyTorch's caching host allocator keeps freed pinned blocks otherwise
             empty_host()

@@ -118,17 +118,17 @@ class OffloadSummary:
         return bool(self._current)
 
     def close_step(self, aborted: bool = False) -> None:
-        from mcore_offload.runtime.transport import _TRANSPORTS
+        from mcore_offload.runtime.transport import live_transports
 
         points = {k: dict(v) for k, v in self._current.items()}
-        allocations = sum(t.pool.allocations for t in _TRANSPORTS.values())
+        allocations = sum(t.pool.allocations for t in live_transports())
         record = StepRecord(len(self.steps), aborted, points, allocations - self._allocations_seen,
                             runtime_cpu_ms=self.runtime_ns / 1e6)
         self.steps.append(record)
         self._allocations_seen = allocations
         self._current = _new_points()
         self.runtime_ns = 0
-        for t in _TRANSPORTS.values():
+        for t in live_transports():
             t.telemetry.end_step(record.step)
         self.resolve_link()
 
@@ -137,9 +137,9 @@ class OffloadSummary:
 
         ``wait=True`` synchronises with the GPU: call it after training, never inside a step.
         """
-        from mcore_offload.runtime.transport import _TRANSPORTS
+        from mcore_offload.runtime.transport import live_transports
 
-        for t in _TRANSPORTS.values():
+        for t in live_transports():
             for step, link in t.telemetry.resolve(wait=wait):
                 if step < len(self.steps):
                     self.steps[step].link = link
@@ -163,7 +163,7 @@ class OffloadSummary:
         return self.steps[-1] if self.steps else None
 
     def as_dict(self) -> dict[str, Any]:
-        from mcore_offload.runtime.transport import _TRANSPORTS
+        from mcore_offload.runtime.transport import live_transports
 
         last = self.last_step
         return {
@@ -173,9 +173,9 @@ class OffloadSummary:
             "host_resident_bytes": self.host_resident_bytes,
             "off_device_bytes": self.off_device_bytes,
             "off_device_at_peak_bytes": self.off_device_at_peak_bytes,
-            "host_buffer_allocations": sum(t.pool.allocations for t in _TRANSPORTS.values()),
+            "host_buffer_allocations": sum(t.pool.allocations for t in live_transports()),
             "host_buffer_allocations_per_step": [s.host_buffer_allocations for s in self.steps],
-            "host_buffer_bytes": sum(t.pool.allocated_bytes for t in _TRANSPORTS.values()),
+            "host_buffer_bytes": sum(t.pool.allocated_bytes for t in live_transports()),
             "per_step": self.link_series(),
         }
 

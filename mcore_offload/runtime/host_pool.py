@@ -14,6 +14,8 @@ from collections.abc import Callable
 
 import torch
 
+from mcore_offload.config import choice_env
+
 
 def size_class(nbytes: int) -> int:
     """The capacity a host buffer for ``nbytes`` gets: rounded up to 1/8 of its power of two (<12.5 % waste).
@@ -156,3 +158,12 @@ class HostBufferPool:
         self._routed_owner.clear()
         self._routed_grew = False
         self._retired.clear()
+
+
+HOST_MEMORY_KINDS = ("pinned", "write-combined")
+
+
+def host_memory_kind() -> str:
+    """``MCORE_OFFLOAD_HOST_MEMORY``: how host buffers are allocated with raw copies (default ``pinned``)."""
+    return choice_env("MCORE_OFFLOAD_HOST_MEMORY", "pinned", HOST_MEMORY_KINDS,
+                      "a host memory kind: set it to 'pinned' (the default) or 'write-combined', or unset it")

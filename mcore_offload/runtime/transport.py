@@ -12,7 +12,6 @@ from collections import deque
 
 import torch
 
-from mcore_offload.config import choice_env
 from mcore_offload.runtime.coalesce import CoalescedReloads, coalesce_reloads
 from mcore_offload.runtime.cudart import (
     DEVICE_TO_HOST,
@@ -23,7 +22,7 @@ from mcore_offload.runtime.cudart import (
     RawEvent,
     load_runtime,
 )
-from mcore_offload.runtime.host_pool import HostBufferPool
+from mcore_offload.runtime.host_pool import HostBufferPool, host_memory_kind
 from mcore_offload.runtime.native import load_native
 from mcore_offload.runtime.side_streams import make_side_streams
 from mcore_offload.runtime.telemetry import LinkTelemetry
@@ -460,13 +459,6 @@ class RawCudaTransport(CoalescedReloads, CudaTransport):
             self.telemetry.span("stall", arrival, event, keep_end=True)
 
 
-HOST_MEMORY_KINDS = ("pinned", "write-combined")
-def host_memory_kind() -> str:
-    """``MCORE_OFFLOAD_HOST_MEMORY``: how host buffers are allocated with raw copies (default ``pinned``)."""
-    return choice_env("MCORE_OFFLOAD_HOST_MEMORY", "pinned", HOST_MEMORY_KINDS,
-                      "a host memory kind: set it to 'pinned' (the default) or 'write-combined', or unset it")
-
-
 _TRANSPORTS: dict[torch.device, Transport] = {}
 
 
@@ -491,9 +483,19 @@ def settle_pools() -> None:
         t.pool.settle()
 
 
-def reset_transports() -> None:
-    """Drop every stream and host buffer (tests; after an abort)."""
+def live_transports() -> list[Transport]:
+    """Every device's transport made so far (the summary reads their pools and telemetry)."""
+    return list(_TRANSPORTS.values())
+
+
+def release_host_buffers() -> None:
+    """Wait for every copy in flight, then free every transport's host buffers (between steps only)."""
     for t in _TRANSPORTS.values():
         t.synchronize()
         t.pool.clear()
+
+
+def reset_transports() -> None:
+    """Drop every stream and host buffer (tests; after an abort)."""
+    release_host_buffers()
     _TRANSPORTS.clear()
