@@ -120,15 +120,16 @@ class OffloadSummary:
     def close_step(self, aborted: bool = False) -> None:
         from mcore_offload.runtime.transport import live_transports
 
+        transports = live_transports()
         points = {k: dict(v) for k, v in self._current.items()}
-        allocations = sum(t.pool.allocations for t in live_transports())
+        allocations = sum(t.pool.allocations for t in transports)
         record = StepRecord(len(self.steps), aborted, points, allocations - self._allocations_seen,
                             runtime_cpu_ms=self.runtime_ns / 1e6)
         self.steps.append(record)
         self._allocations_seen = allocations
         self._current = _new_points()
         self.runtime_ns = 0
-        for t in live_transports():
+        for t in transports:
             t.telemetry.end_step(record.step)
         self.resolve_link()
 
@@ -165,7 +166,7 @@ class OffloadSummary:
     def as_dict(self) -> dict[str, Any]:
         from mcore_offload.runtime.transport import live_transports
 
-        last = self.last_step
+        last, transports = self.last_step, live_transports()
         return {
             "steps": len(self.steps),
             "last_step": last.points if last else {},
@@ -173,9 +174,9 @@ class OffloadSummary:
             "host_resident_bytes": self.host_resident_bytes,
             "off_device_bytes": self.off_device_bytes,
             "off_device_at_peak_bytes": self.off_device_at_peak_bytes,
-            "host_buffer_allocations": sum(t.pool.allocations for t in live_transports()),
+            "host_buffer_allocations": sum(t.pool.allocations for t in transports),
             "host_buffer_allocations_per_step": [s.host_buffer_allocations for s in self.steps],
-            "host_buffer_bytes": sum(t.pool.allocated_bytes for t in live_transports()),
+            "host_buffer_bytes": sum(t.pool.allocated_bytes for t in transports),
             "per_step": self.link_series(),
         }
 
