@@ -258,9 +258,10 @@ def load_runtime(maps_path: str = "/proc/self/maps") -> CudaRuntime | None:
         if path is None:
             logger.info("no CUDA runtime library mapped in this process: offload copies use PyTorch's copy_")
             return None
-        # RTLD_NOLOAD: the mapped library, or an OSError; never a second copy from disk. RTLD_LOCAL: only our handle
-        # sees it; the process's symbol scope stays as the process made it (RTLD_GLOBAL, used until session 26,
-        # would promote the library for every later dlopen, such as NCCL's at its first communicator).
+        # RTLD_NOLOAD: the mapped library, or an OSError; never a second copy from disk. RTLD_LOCAL: the process's
+        # symbol scope stays as the process made it (PyTorch's wheels already load libcudart globally, through
+        # libtorch_global_deps; where a build loads it locally, RTLD_GLOBAL, used until session 26, would promote it
+        # for every later dlopen).
         runtime = CudaRuntime(ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LOCAL))
         logger.info("offload copies and events through the CUDA runtime at %s (version %d)", path, runtime.version)
         return runtime
