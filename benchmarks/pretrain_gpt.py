@@ -34,6 +34,7 @@ BENCHMARKS = Path(__file__).resolve().parent
 if str(BENCHMARKS) not in sys.path:  # the helper modules beside this script, also when it is imported
     sys.path.insert(0, str(BENCHMARKS))
 import pretrain_args  # noqa: E402
+from host_clock import HostClock  # noqa: E402
 from offload_stop import offload_stop_summary, release_after_offloading  # noqa: E402
 from run_info import native_accounting, peak_reader, versions  # noqa: E402
 from state_probes import take_probes  # noqa: E402
@@ -282,6 +283,7 @@ def main(argv=None) -> int:
     step_peaks: list[int] = []
     losses, step_ms, issue_ms, allocated_after, eval_losses = [], [], [], [], []
     gc_clock = GcClock()
+    host_clock = HostClock()  # what the machine did in each step (steal, other load, the thread's CPU time)
     peak_step = 1
     if ours and any(m.startswith("auto") for m in args.offload_modules):
         from mcore_offload.runtime.auto import PROBE_STEPS
@@ -350,6 +352,7 @@ def main(argv=None) -> int:
         if switch is not None:
             switch.start_step(on_steps[-1])
         gc_clock.start_step()
+        host_clock.start_step()
         t0 = time.perf_counter()
         if syncs is not None:
             syncs.start_step()
@@ -362,9 +365,11 @@ def main(argv=None) -> int:
         opt.step()
         # the host's share: a step whose host issues its work well before the GPU ends is not launch-bound
         issue_ms.append((time.perf_counter() - t0) * 1e3)
+        host_clock.issued()
         if cuda:
             torch.cuda.synchronize()
         step_ms.append((time.perf_counter() - t0) * 1e3)
+        host_clock.end_step()
         if switch is not None:
             switch.end_step()
         if alternate and cuda:
@@ -426,6 +431,7 @@ def main(argv=None) -> int:
         "cpu_bind": args.cpu_bind, "cpus": getattr(args, "cpus", None), "loadavg": os.getloadavg(),
         "gc_ms": gc_clock.per_step, "gc_collections": gc_clock.collections,
         "gc_ms_median": statistics.median(gc_clock.per_step[args.warmup_steps:] or gc_clock.per_step),
+        "host_clock": host_clock.as_dict(),
     }
     if args.offload_first_steps is not None:  # the plain steps from two after the stop, and any before the start
         row["offload_stop"] = offload_stop_summary(step_ms, args.warmup_steps, args.offload_from_step,
