@@ -1,7 +1,11 @@
-"""benchmarks/host_clock.py: the per-step record of what the host machine did (steal, load, the thread's CPU time)."""
+"""benchmarks/host_clock.py, the per-step record of what the host machine did (steal, load, the thread's CPU time),
+and host_periods.py, which reads it."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -11,6 +15,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import host_clock  # noqa: E402
+import host_periods  # noqa: E402
 
 STAT = """cpu  100 5 50 1000 7 1 2 30 0 0
 cpu0 50 2 25 500 3 0 1 15 0 0
@@ -68,3 +73,54 @@ def test_without_proc_the_machine_counters_are_none(monkeypatch):
     clock.end_step()
     assert clock.steal_ms == [None] and clock.busy_cpus == [None] and clock.involuntary_switches == [None]
     assert clock.thread_cpu_ms[0] >= 0
+
+
+def test_spearman_ranks_ties_and_refuses_constant_input():
+    assert host_periods.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0
+    assert host_periods.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == -1.0
+    assert host_periods.spearman([1, 2, 3], [5, 5, 5]) is None
+    assert host_periods.spearman([1, 1, 2, 2], [1, 1, 2, 2]) == 1.0
+
+
+def test_slow_steps_with_steal_are_told_apart_from_fast_ones(tmp_path):
+    """Steps 5-16 timed; the slow ones carry steal and the thread's CPU time does not move."""
+    steps = [900.0] * 5 + [350.0, 351.0, 349.0, 352.0, 350.0, 348.0, 460.0, 470.0, 480.0, 455.0, 465.0, 475.0]
+    steal = [0.0] * 11 + [90.0, 100.0, 110.0, 85.0, 95.0, 105.0]
+    row = {"rank": 0, "step_ms": steps, "issue_ms": [s - 40 for s in steps],
+           "host_clock": {"thread_cpu_ms": [200.0] * len(steps), "process_cpu_ms": [400.0] * len(steps),
+                          "steal_ms": steal, "busy_cpus": [2.0] * len(steps),
+                          "involuntary_switches": [None] * len(steps)}}
+    got = host_periods.split_by_step_time(row, warmup=5)
+    assert got["timed_steps"] == 12 and got["step_ms"]["fast"] < 352 < 455 <= got["step_ms"]["slow"]
+    assert got["steal_ms"]["fast"] == 0 and got["steal_ms"]["slow"] >= 90 and got["steal_ms"]["rank_corr"] > 0.8
+    assert got["thread_cpu_ms"]["rank_corr"] is None  # constant: no correlation to speak of
+    assert got["involuntary_switches"] is None  # not recorded in every step
+    js = tmp_path / "run.json"
+    js.write_text(json.dumps({"args": {"warmup_steps": 5}, "ranks": [row]}))
+    assert host_periods.main([str(js), "--json-out", str(tmp_path / "out.json")]) == 0
+    with pytest.raises(SystemExit, match="no rank 1"):
+        host_periods.main([str(js), "--rank", "1"])
+    del row["host_clock"]
+    js.write_text(json.dumps({"args": {"warmup_steps": 5}, "ranks": [row]}))
+    with pytest.raises(SystemExit, match="no host_clock"):
+        host_periods.main([str(js)])
+
+
+def test_issue5_host_summary_prints_the_slow_and_fast_thirds(tmp_path):
+    """issue5_host.sh's summary (its Python, run here) adds one line per run from the run's host clock."""
+    root = Path(__file__).resolve().parent.parent
+    script = (root / "benchmarks" / "gpu" / "issue5_host.sh").read_text()
+    summary = script.split("<<'PY'\n", 1)[1].split("\nPY\n", 1)[0]
+    n = 17
+    steps = [900.0] * 5 + [350.0] * 6 + [470.0] * 6
+    row = {"rank": 0, "step_ms": steps, "issue_ms": steps, "loss_hex": [None] * n,
+           "host_clock": {"thread_cpu_ms": [200.0] * n, "process_cpu_ms": [400.0] * n,
+                          "steal_ms": [0.0] * 11 + [100.0] * 6, "busy_cpus": [2.0] * n,
+                          "involuntary_switches": [3] * n}}
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    (runs / "baseline-none-1.json").write_text(json.dumps({"args": {}, "ranks": [row]}))
+    proc = subprocess.run([sys.executable, "-", str(runs)], input=summary, capture_output=True, text=True,
+                          timeout=120, cwd=root, env={**os.environ, "PYTHONPATH": str(root / "benchmarks")})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "slow / fast third: issue_ms 470.0/350.0" in proc.stdout and "steal_ms 100.0/0.0" in proc.stdout

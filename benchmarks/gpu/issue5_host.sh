@@ -138,6 +138,12 @@ for stem, r in runs.items():
           f"host {r.get('runtime_cpu_ms')}  issued {r.get('issue_ms_median')} ms  cpus {len(r.get('cpus') or [])}  "
           f"load {r.get('loadavg')}  "
           f"device mallocs/frees after step 1: {[sum(v[2:]) for v in (r.get('allocator_per_step') or {}).values()]}")
+    if r.get("host_clock") and len(t) >= 6:  # the slowest third of the steps against the fastest (host_periods.py)
+        sys.path.insert(0, "benchmarks")
+        from host_periods import split_by_step_time
+        hp = split_by_step_time(r, len(r["step_ms"]) - len(t))
+        print("  slow / fast third: " + ", ".join(f"{k} {v['slow']}/{v['fast']} ({v['rank_corr']})" for k, v in hp.items()
+                                                 if isinstance(v, dict) and "rank_corr" in v))
     stop = r.get("offload_stop")
     if stop:
         print(f"  offloaded steps {stop['first_offloaded_step']}..{stop['first_plain_step'] - 1} (released after: "
