@@ -128,12 +128,17 @@ for rep in $(seq 1 "${REPS:-2}"); do
 done
 python3 - "$out" <<'PY'
 import json, pathlib, statistics as st, sys
-runs = {f.stem: json.loads(f.read_text())["ranks"][0] for f in sorted(pathlib.Path(sys.argv[1]).glob("*-*-[0-9].json"))}
+files = sorted(pathlib.Path(sys.argv[1]).glob("*-*-[0-9].json"))
+ranks = {f.stem: json.loads(f.read_text())["ranks"] for f in files}
+runs = {stem: rows[0] for stem, rows in ranks.items()}
+# the losses live on the last pipeline stage: under PP rank 0's are all None and would compare equal to anything
+last = {stem: max(rows, key=lambda row: row["rank"])["loss_hex"] for stem, rows in ranks.items()}
 for stem, r in runs.items():
     t = r["step_ms"][5:] or r["step_ms"]  # short runs (the CPU test) keep every step
     q = sorted(t)
-    base = runs.get("baseline-" + stem.split("-", 1)[1])
-    same = "-" if base is None or stem.startswith("baseline") else r["loss_hex"] == base["loss_hex"]
+    base = "baseline-" + stem.split("-", 1)[1]
+    same = "-" if base not in runs or stem.startswith("baseline") else (
+        "no losses" if all(x is None for x in last[stem]) else last[stem] == last[base])
     print(f"{stem:24s} median {st.median(t):7.1f}  q10 {q[len(q) // 10]:7.1f}  min {q[0]:7.1f} ms  loss equal {same}  "
           f"host {r.get('runtime_cpu_ms')}  issued {r.get('issue_ms_median')} ms  cpus {len(r.get('cpus') or [])}  "
           f"load {r.get('loadavg')}  "
