@@ -43,6 +43,9 @@
 #    megatron-core 0.16.1 (NATIVE_TREE), its native offloading; alt_NAME@native alternates it too. "all5_hooks": the
 #    five MoE points with nothing large enough to move (hooks_only for CONFIG=C). EXTRA: more pretrain_gpt.py flags
 #    for every run (EXTRA=--peak-trace: what was live at step 1's peak, benchmarks/peak_trace.py).
+# The summary's "loss equal" compares each run's last rank (the pipeline's last stage) with the baseline's; its
+# "slow / fast third" line sets the run's slowest third of steps against its fastest by each host counter
+# (pretrain_gpt.py's host_clock, benchmarks/host_periods.py: slow, fast, rank correlation with the step time).
 # The summary ends with, for every alt_ variant that also ran as NAME@native, the ratio of the two paired overheads
 # per rank with its 95 % interval and issue 5's verdict (benchmarks/overhead_ratio.py). "STOPPED ... (complete)": the
 # run hit RUN_TIMEOUT after rank 0 had written its JSON (torchrun's teardown), so its results stand.
