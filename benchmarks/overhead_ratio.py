@@ -6,7 +6,9 @@ third of native's overhead" line), from the JSON of two alternating runs (``--al
 
 Window runs (``--offload-from-step S --offload-first-steps K``: plain steps, then offloaded ones, in one process;
 ``offload_stop.py``) are compared the same way, their overhead taken against the plain steps before offloading first
-ran: no lasting state of an alternation's plain steps can bias it (session 25). A side's runs must all be of one kind.
+ran: no lasting state of an alternation's plain steps can bias it (session 25). Block-alternating runs
+(``--alternate-block B``) give one value per offloaded block (``paired_steps.block_values``) and pool like pairs. A
+side's runs must all be of one kind.
 
 Several files per side (``--ours A.json B.json --native C.json``) pool their pairs per rank. The verdict per rank:
 ``met`` where the interval's upper end is at or under the limit, ``not met`` where its lower end is above it,
@@ -23,19 +25,28 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from offload_stop import over_pct, window_steps  # noqa: E402
-from paired_steps import bootstrap_ratio, first_counted_step, overhead_ratio_interval, pair_values  # noqa: E402
+from paired_steps import (  # noqa: E402
+    block_values,
+    bootstrap_ratio,
+    first_counted_step,
+    overhead_ratio_interval,
+    pair_values,
+)
 
 
 def run_pairs(path: str) -> dict[int, list[float]]:
     """Per rank, the values one alternating run's overhead is the median of (:func:`paired_steps.pair_values`)."""
     doc = json.loads(Path(path).read_text())
-    first = first_counted_step(doc["args"]["warmup_steps"], doc["args"].get("alternate_period", 2))
+    block = doc["args"].get("alternate_block")  # --alternate-block: blocks of steps (paired_steps.block_values)
+    first = doc["args"]["warmup_steps"] if block else \
+        first_counted_step(doc["args"]["warmup_steps"], doc["args"].get("alternate_period", 2))
     out = {}
     for row in doc["ranks"]:
         alt = row.get("alternation")
         if alt is None:
             raise ValueError(f"{path}: rank {row['rank']} has no alternation data; run with --alternate-offload")
-        out[row["rank"]] = pair_values(row["step_ms"], alt["on_steps"], first)
+        values = block_values if block else pair_values
+        out[row["rank"]] = values(row["step_ms"], alt["on_steps"], first)
     return out
 
 

@@ -75,6 +75,40 @@ def pair_values(step_ms: list[float], on_steps: list[bool], first: int = 0) -> l
     return _opposite_parity_means(indexed)
 
 
+def block_on_steps(n: int, warmup_steps: int, block: int) -> list[bool]:
+    """``--alternate-block B``: which of ``n`` steps offload. From the warm-up's end, B plain steps, B offloaded ones,
+    and so on (the steps before follow the same pattern backwards)."""
+    return [((step - warmup_steps) // block) % 2 == 1 for step in range(n)]
+
+
+def block_values(step_ms: list[float], on_steps: list[bool], first: int = 0, skip: int = 1) -> list[float]:
+    """The values a block-alternating run's overhead is the median of: for every block of offloaded steps with a
+    complete plain block on each side, its steps' median over the mean of the two plain blocks' medians. The first
+    ``skip`` steps of every block are left out: a switch's own cost (native's set-up when it resumes, work an
+    offloaded step leaves to the next) lands there, where a step-by-step alternation books it as overhead or saving.
+
+    Why blocks: the 2x H200 host has slow periods of 10-40 steps (session 27); a window run's phases can fall in
+    different ones, while neighbouring blocks of a few steps mostly share one.
+    """
+    blocks: list[tuple[bool, list[float]]] = []  # (offloaded, counted step times) of each run of steps from ``first``
+    i = first
+    while i < len(step_ms):
+        j = i
+        while j < len(step_ms) and on_steps[j] == on_steps[i]:
+            j += 1
+        blocks.append((on_steps[i], step_ms[i + skip:j]))  # the last may be cut short: fewer steps, still counted
+        i = j
+    if blocks and blocks[0][0]:  # the counted steps must start with a plain block
+        blocks = blocks[1:]
+    out = []
+    for k in range(1, len(blocks) - 1):
+        (before_on, before), (on, mid), (after_on, after) = blocks[k - 1], blocks[k], blocks[k + 1]
+        if on and not before_on and not after_on and before and mid and after:
+            plain = 0.5 * (statistics.median(before) + statistics.median(after))
+            out.append(statistics.median(mid) / plain)
+    return out
+
+
 def plain_step_effects(step_ms: list[float], on_steps: list[bool], first: int = 0) -> dict | None:
     """What the adjacent twos of plain steps between offloaded ones show (``--alternate-period 3``): the even step's
     time over the odd one's (a parity effect, which period 2 cannot see and books as overhead or saving), and the
@@ -160,12 +194,16 @@ def _split_medians(values: list[float], on_steps: list[bool], first: int) -> tup
 
 
 def alternation_summary(step_ms: list[float], on_steps: list[bool], first: int,
-                        peaks: list[int] | None = None, issue_ms: list[float] | None = None) -> dict:
+                        peaks: list[int] | None = None, issue_ms: list[float] | None = None,
+                        block: int | None = None) -> dict:
     """What the JSON row of an alternating run reports (percentages, rounded). ``issue_ms``: the host time each
-    step took to issue its work (``pretrain_gpt.py``), reported as on / off medians too."""
-    ratios = pair_values(step_ms, on_steps, first)
+    step took to issue its work (``pretrain_gpt.py``), reported as on / off medians too. ``block``: the run
+    alternated blocks of that many steps (:func:`block_values`; ``pairs`` then counts offloaded blocks)."""
+    ratios = block_values(step_ms, on_steps, first) if block else pair_values(step_ms, on_steps, first)
     on, off = _split_medians(step_ms, on_steps, first)
     out: dict = {"pairs": len(ratios), "step_ms_on_median": on, "step_ms_off_median": off}
+    if block:
+        out["block"] = block
     if issue_ms is not None:
         out["issue_ms_on_median"], out["issue_ms_off_median"] = _split_medians(issue_ms, on_steps, first)
     if ratios:
@@ -178,7 +216,7 @@ def alternation_summary(step_ms: list[float], on_steps: list[bool], first: int,
         if p_on and p_off:
             out["peak_bytes_on_max"], out["peak_bytes_off_max"] = max(p_on), max(p_off)
             out["delta_peak_bytes"] = max(p_off) - max(p_on)
-    effects = plain_step_effects(step_ms, on_steps, first)
+    effects = None if block else plain_step_effects(step_ms, on_steps, first)
     if effects is not None:
         out["plain_steps"] = effects
     return out

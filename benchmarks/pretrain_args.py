@@ -79,6 +79,10 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
       help="with --alternate-offload, --host-delay-us or --dma-load-mib: one step in N is the offloaded (delayed, "
            "loaded) one. 3 puts those steps on even and odd steps in turn, so an effect of a step's parity cancels, "
            "and reports that effect from the plain steps (JSON 'alternation' 'plain_steps'); 2 has more pairs")
+    a("--alternate-block", type=int, default=None, metavar="B",
+      help="with --alternate-offload: alternate blocks of B steps (from the warm-up's end: B plain, B offloaded, ...) "
+           "instead of single steps; each offloaded block's median over its plain neighbours', the first step of "
+           "every block left out (a switch's own cost lands there). JSON 'alternation' as for single steps")
     a("--offload-paused", action="store_true",
       help="ours: every step runs inside mcore_offload.paused(), so the patches and the runtime are in place and "
            "nothing is offloaded: against a run without --fine-grained-activation-offloading, what their presence "
@@ -166,6 +170,10 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     if args.dma_load_mib and args.fine_grained_activation_offloading:
         p.error("--dma-load-mib measures the copies without the offload runtime: drop "
                 "--fine-grained-activation-offloading")
+    if args.alternate_block is not None and not (args.alternate_offload and args.alternate_period == 2
+                                                 and args.alternate_block >= 2):
+        p.error("--alternate-block B alternates blocks of offloaded and plain steps: use it with --alternate-offload, "
+                "without --alternate-period, and B of at least 2")
     if args.alternate_offload and not args.fine_grained_activation_offloading:
         p.error("--alternate-offload compares offloaded with plain steps: add --fine-grained-activation-offloading "
                 "and --offload-modules")

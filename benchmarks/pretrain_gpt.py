@@ -284,6 +284,11 @@ def main(argv=None) -> int:
     losses, step_ms, issue_ms, allocated_after, eval_losses = [], [], [], [], []
     gc_clock = GcClock()
     host_clock = HostClock()  # what the machine did in each step (steal, other load, the thread's CPU time)
+    block_on = None  # --alternate-block: which steps offload
+    if args.alternate_block:
+        from paired_steps import block_on_steps
+
+        block_on = block_on_steps(args.train_iters, args.warmup_steps, args.alternate_block)
     peak_step = 1
     if ours and any(m.startswith("auto") for m in args.offload_modules):
         from mcore_offload.runtime.auto import PROBE_STEPS
@@ -346,7 +351,7 @@ def main(argv=None) -> int:
         if stopped and step == args.offload_first_steps:
             release_after_offloading(args.at_offload_stop)
         on_steps.append(not args.offload_paused and not stopped
-                        and (not alternate or step % args.alternate_period == 0))
+                        and (not alternate or (block_on[step] if block_on else step % args.alternate_period == 0)))
         if side_load is not None:
             side_load.active = on_steps[-1]
         if switch is not None:
@@ -469,8 +474,9 @@ def main(argv=None) -> int:
     if alternate:
         from paired_steps import alternation_summary, first_counted_step
 
-        first = first_counted_step(args.warmup_steps, args.alternate_period)
-        row["alternation"] = alternation_summary(step_ms, on_steps, first, step_peaks if cuda else None, issue_ms)
+        first = args.warmup_steps if block_on else first_counted_step(args.warmup_steps, args.alternate_period)
+        row["alternation"] = alternation_summary(step_ms, on_steps, first, step_peaks if cuda else None, issue_ms,
+                                                 block=args.alternate_block)
         row["alternation"]["on_steps"] = on_steps
         row["alternation"]["step_peaks"] = step_peaks
         if side_load is not None:

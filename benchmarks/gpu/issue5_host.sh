@@ -37,6 +37,8 @@
 #    has every rank's). "dmaload": no offloading; every other step copies DMA_MIB (default 48, A core_attn's bytes
 #    per layer and microbatch) out at each layer's forward and in at its backward (benchmarks/dma_load.py): what
 #    the link traffic alone costs. NAME_wc: host buffers in write-combined memory (MCORE_OFFLOAD_HOST_MEMORY).
+#    blkB_NAME: NAME alternating blocks of B steps (--alternate-block B: B plain, B offloaded, ...; each offloaded
+#    block's median over its plain neighbours', the first step of every block left out; blkB_NAME@native too).
 #    NAME_f4 / NAME_r2: MCORE_OFFLOAD_FLUSH_LAYERS=4 / MCORE_OFFLOAD_RELOAD_LAYERS=2. NAME_coal:
 #    MCORE_OFFLOAD_COALESCE_RELOADS=1 (one reload copy per group). NAME_py: the Python
 #    saved-tensor hooks (MCORE_OFFLOAD_NATIVE=0; every other run sets MCORE_OFFLOAD_NATIVE=${NATIVE:-1}: C++ or fail). NAME@native: NAME on upstream's
@@ -94,6 +96,7 @@ for rep in $(seq 1 "${REPS:-2}"); do
           *) break ;; esac; done
       case ${name%@old} in *_py*) envs="$envs MCORE_OFFLOAD_NATIVE=0" ;; *) envs="$envs MCORE_OFFLOAD_NATIVE=${NATIVE:-1}" ;; esac
       case ${nosp%@old} in alt_*) alt="--alternate-offload --alternate-period ${ALT_PERIOD:-2}" ;;
+        blk[0-9]*_*) n=${nosp%%_*}; alt="--alternate-offload --alternate-block ${n#blk}" ;;
         idle_*) alt="--offload-paused" ;;
         stop_*) alt="--offload-first-steps ${STOP_AT:-12}" ;;
         stopec_*) alt="--offload-first-steps ${STOP_AT:-12} --at-offload-stop empty-cache" ;;
@@ -103,7 +106,7 @@ for rep in $(seq 1 "${REPS:-2}"); do
         sw_*) alt="--alternate-runtime ${SWITCH:-flush_layers=4 reload_layers=2} --alternate-period ${ALT_PERIOD:-2}" ;;
         *) alt="" ;; esac
       case ${name%@old} in *_bd) alt="$alt --runtime-breakdown" ;; esac
-      base=${nosp%@old}; base=${base//_ssa/}; base=${base//_ssh/}; base=${base//_nccldbg/}; base=${base//_wc/}; base=${base//_coal/}; base=${base//_py/}; base=${base//_f4/}; base=${base//_r2/}; base=${base#alt_}; base=${base#sw_}; base=${base#idle_}; base=${base#stop_}; base=${base#stopec_}; base=${base#stoph_}; base=${base#stopb_}; base=${base#mid_}; base=${base%_bd}; base=${base%_nochain}; base=${base%_torchcopy}
+      base=${nosp%@old}; base=${base//_ssa/}; base=${base//_ssh/}; base=${base//_nccldbg/}; base=${base//_wc/}; base=${base//_coal/}; base=${base//_py/}; base=${base//_f4/}; base=${base//_r2/}; base=${base#alt_}; base=${base#sw_}; base=${base#idle_}; base=${base#stop_}; base=${base#stopec_}; base=${base#stoph_}; base=${base#stopb_}; base=${base#mid_}; [[ $base =~ ^blk[0-9]+_(.*)$ ]] && base=${BASH_REMATCH[1]}; base=${base%_bd}; base=${base%_nochain}; base=${base%_torchcopy}
       case $base in baseline) flags="" ;; core_attn) flags=$OFF ;;
         hooks_only) flags="$OFF --min-offloaded-tensor-size 1000000000000" ;;
         attn) flags="--fine-grained-activation-offloading --offload-modules qkv_linear core_attn attn_proj" ;;
