@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 27: session 25's run3.sh with the host and the GPUs sampled beside the runs, to tell what the host's slow
+# Session 27: D-dense runs as session 25's run3.sh makes them (ITERS settable), with the host and the GPUs sampled beside them, to tell what the host's slow
 # periods are (hypervisor steal, other load, GPU clocks). G names the output folder; the samplers write into it.
 # DEADLINE_S (default 400): after that many seconds the runs are stopped and whatever exists is archived to
 # $OUT/G-partial.tgz, so a call that runs long still brings back its finished runs (session 27's first try of this
@@ -19,7 +19,11 @@ if ! kill -0 $smi 2>/dev/null; then  # an older driver without clocks_event_reas
 fi
 vmstat -t 1 > /tmp/r/$g/vmstat.txt 2>&1 &
 vm=$!
-setsid bash benchmarks/results/issue5-session25/run3.sh &
+# session 25's run3.sh, with ITERS settable (block-alternating runs want more steps than its 60)
+setsid bash -c "source .gpu/w/setup.sh 0.15.3 > /dev/null 2>&1; NPROC=2 CONFIG=D-dense COSTS=0 REPS=${REPS:-1} \
+  ITERS=${ITERS:-60} RUN_TIMEOUT=${RUN_TIMEOUT:-150} VARIANTS='${VARIANTS:-baseline}' \
+  bash benchmarks/gpu/issue5_host.sh /tmp/r/$g > /tmp/r/$g.txt 2>&1; grep -v '^  breakdown' /tmp/r/$g.txt | tail -40; \
+  rm -f /tmp/r/*/host_topology.txt; tar czf $OUT/$g.tgz -C /tmp/r $g $g.txt tree.txt" &
 runs=$!
 t0=$SECONDS
 while kill -0 $runs 2>/dev/null && [ $((SECONDS - t0)) -lt "$deadline" ]; do sleep 2; done
