@@ -134,6 +134,10 @@ for rep in $(seq 1 "${REPS:-2}"); do
 done
 python3 - "$out" <<'PY'
 import json, pathlib, statistics as st, sys
+sys.path.insert(0, "benchmarks")
+from host_periods import split_by_step_time  # noqa: E402
+from overhead_ratio import compare, compare_windows, is_window_run  # noqa: E402
+
 files = sorted(pathlib.Path(sys.argv[1]).glob("*-*-[0-9].json"))
 ranks = {f.stem: json.loads(f.read_text())["ranks"] for f in files}
 runs = {stem: rows[0] for stem, rows in ranks.items()}
@@ -150,8 +154,6 @@ for stem, r in runs.items():
           f"load {r.get('loadavg')}  "
           f"device mallocs/frees after step 1: {[sum(v[2:]) for v in (r.get('allocator_per_step') or {}).values()]}")
     if r.get("host_clock") and len(t) >= 6:  # the slowest third of the steps against the fastest (host_periods.py)
-        sys.path.insert(0, "benchmarks")
-        from host_periods import split_by_step_time
         hp = split_by_step_time(r, len(r["step_ms"]) - len(t))
         print("  slow / fast third: " + ", ".join(f"{k} {v['slow']}/{v['fast']} ({v['rank_corr']})" for k, v in hp.items()
                                                  if isinstance(v, dict) and "rank_corr" in v))
@@ -200,9 +202,6 @@ for stem, r in runs.items():
         for name, v in list(bd["functions"].items())[:24]:
             print(f"    {name:46s} {v['us_per_step']:9.1f} us/step {v['calls_per_step']:7.1f} calls {v['us_per_call']:8.2f} us/call")
 # ours against native, per rank, wherever a variant ran both ways (benchmarks/overhead_ratio.py: issue 5's third)
-sys.path.insert(0, "benchmarks")
-from overhead_ratio import compare, compare_windows, is_window_run  # noqa: E402
-
 for stem in runs:
     native = stem.replace("-", "_native-", 1)
     window = is_window_run(f"{sys.argv[1]}/{stem}.json")
