@@ -26,27 +26,25 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from offload_stop import over_pct, window_steps  # noqa: E402
 from paired_steps import (  # noqa: E402
-    block_values,
+    alternation_values,
     bootstrap_ratio,
     first_counted_step,
     overhead_ratio_interval,
-    pair_values,
 )
 
 
 def run_pairs(path: str) -> dict[int, list[float]]:
-    """Per rank, the values one alternating run's overhead is the median of (:func:`paired_steps.pair_values`)."""
+    """Per rank, the values one alternating run's overhead is the median of
+    (:func:`paired_steps.alternation_values`)."""
     doc = json.loads(Path(path).read_text())
     block = doc["args"].get("alternate_block")  # --alternate-block: blocks of steps (paired_steps.block_values)
-    first = doc["args"]["warmup_steps"] if block else \
-        first_counted_step(doc["args"]["warmup_steps"], doc["args"].get("alternate_period", 2))
+    first = first_counted_step(doc["args"]["warmup_steps"], doc["args"].get("alternate_period", 2), block)
     out = {}
     for row in doc["ranks"]:
         alt = row.get("alternation")
         if alt is None:
             raise ValueError(f"{path}: rank {row['rank']} has no alternation data; run with --alternate-offload")
-        values = block_values if block else pair_values
-        out[row["rank"]] = values(row["step_ms"], alt["on_steps"], first)
+        out[row["rank"]] = alternation_values(row["step_ms"], alt["on_steps"], first, block)
     return out
 
 

@@ -26,10 +26,13 @@ from collections.abc import Callable
 Resample = Callable[[list[float]], list[float]]
 
 
-def first_counted_step(warmup_steps: int, period: int = 2) -> int:
+def first_counted_step(warmup_steps: int, period: int = 2, block: int | None = None) -> int:
     """The first step an alternating run counts: the plain one at or after the warm-up just before an offloaded step
     (step ``s`` is offloaded when ``s % period == 0``), so that the next offloaded step has plain neighbours on both
-    sides (``pretrain_gpt.py`` writes it; ``overhead_ratio.py`` reads the runs back with it)."""
+    sides; with ``--alternate-block`` (``block``), the warm-up's end, where the first plain block starts
+    (``pretrain_gpt.py`` writes it; ``overhead_ratio.py`` reads the runs back with it)."""
+    if block:
+        return warmup_steps
     step = warmup_steps
     while (step + 1) % period:
         step += 1
@@ -83,7 +86,8 @@ def block_on_steps(n: int, warmup_steps: int, block: int) -> list[bool]:
 
 def block_values(step_ms: list[float], on_steps: list[bool], first: int = 0, skip: int = 1) -> list[float]:
     """The values a block-alternating run's overhead is the median of: for every block of offloaded steps with a
-    complete plain block on each side, its steps' median over the mean of the two plain blocks' medians. The first
+    plain block on each side (the run's last may be cut short), its steps' median over the mean of the two plain
+    blocks' medians. The first
     ``skip`` steps of every block are left out: a switch's own cost (native's set-up when it resumes, work an
     offloaded step leaves to the next) lands there, where a step-by-step alternation books it as overhead or saving.
 
@@ -107,6 +111,12 @@ def block_values(step_ms: list[float], on_steps: list[bool], first: int = 0, ski
             plain = 0.5 * (statistics.median(before) + statistics.median(after))
             out.append(statistics.median(mid) / plain)
     return out
+
+
+def alternation_values(step_ms: list[float], on_steps: list[bool], first: int, block: int | None = None) -> list[float]:
+    """The values an alternating run's overhead is the median of: :func:`block_values` for a block-alternating run
+    (``block``), else :func:`pair_values`."""
+    return block_values(step_ms, on_steps, first) if block else pair_values(step_ms, on_steps, first)
 
 
 def plain_step_effects(step_ms: list[float], on_steps: list[bool], first: int = 0) -> dict | None:
@@ -199,7 +209,7 @@ def alternation_summary(step_ms: list[float], on_steps: list[bool], first: int,
     """What the JSON row of an alternating run reports (percentages, rounded). ``issue_ms``: the host time each
     step took to issue its work (``pretrain_gpt.py``), reported as on / off medians too. ``block``: the run
     alternated blocks of that many steps (:func:`block_values`; ``pairs`` then counts offloaded blocks)."""
-    ratios = block_values(step_ms, on_steps, first) if block else pair_values(step_ms, on_steps, first)
+    ratios = alternation_values(step_ms, on_steps, first, block)
     on, off = _split_medians(step_ms, on_steps, first)
     out: dict = {"pairs": len(ratios), "step_ms_on_median": on, "step_ms_off_median": off}
     if block:

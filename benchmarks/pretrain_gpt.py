@@ -474,7 +474,7 @@ def main(argv=None) -> int:
     if alternate:
         from paired_steps import alternation_summary, first_counted_step
 
-        first = args.warmup_steps if block_on else first_counted_step(args.warmup_steps, args.alternate_period)
+        first = first_counted_step(args.warmup_steps, args.alternate_period, args.alternate_block)
         row["alternation"] = alternation_summary(step_ms, on_steps, first, step_peaks if cuda else None, issue_ms,
                                                  block=args.alternate_block)
         row["alternation"]["on_steps"] = on_steps
