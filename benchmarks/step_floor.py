@@ -1,0 +1,122 @@
+"""The fastest steps of each phase of a run: its floor, which the host's slow periods leave alone.
+
+Why: on the 2x H200 host a plain run steps at about 350 ms and, for 10-40 steps at a time, at 400-520 ms, because the
+host's CPU runs slower then (session 28's host clock). Medians move with those periods; a phase's minimum and lower
+percentiles move little (ours' plain steps between offloaded blocks sat at 355.6-357.7 ms in three calls, native's
+at 344.7-350.3). This tool prints them per phase, from ``pretrain_gpt.py``'s JSON:
+
+- block- or step-alternating runs (``--alternate-offload``): the offloaded and the plain steps from the first
+  counted step on; in a block run (``--alternate-block B``) each block's first step is left out (a switch's own cost
+  lands there);
+- window runs (``--offload-first-steps``): the plain steps before the window, the offloaded ones, the plain ones
+  after (as ``offload_stop.window_steps`` counts them);
+- any other run: every step after the warm-up.
+
+``--by-position`` adds, for block runs, each phase's minimum by position within its blocks: an offset that fades
+along a block is spill-over from the switch; a flat one is a state.
+
+    python benchmarks/step_floor.py RUN.json [RUN.json ...] [--rank 0] [--by-position] [--json-out FILE]
+
+Percentiles are nearest-rank from below (``sorted[int(p * (n - 1))]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from offload_stop import window_steps  # noqa: E402
+from paired_steps import first_counted_step  # noqa: E402
+
+
+def lower_percentile(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[int(p * (len(ordered) - 1))]
+
+
+def floor_stats(values: list[float]) -> dict | None:
+    """n, minimum, 10th and 25th percentile and median of ``values`` (None when empty)."""
+    if not values:
+        return None
+    return {"n": len(values), "min": round(min(values), 2), "q10": round(lower_percentile(values, 0.1), 2),
+            "q25": round(lower_percentile(values, 0.25), 2), "median": round(statistics.median(values), 2)}
+
+
+def phase_steps(args: dict, row: dict) -> tuple[dict[str, list[int]], int | None]:
+    """The step indices of each phase of one rank's row, and the block length (None: not a block run)."""
+    n = len(row["step_ms"])
+    warmup = args.get("warmup_steps", 0)
+    alternation = row.get("alternation")
+    if alternation and alternation.get("on_steps"):
+        on = alternation["on_steps"]
+        block = args.get("alternate_block")
+        first = first_counted_step(warmup, args.get("alternate_period", 2), block)
+        counted = [i for i in range(first, min(n, len(on))) if not (block and i > 0 and on[i] != on[i - 1])]
+        return {"offloaded": [i for i in counted if on[i]], "plain": [i for i in counted if not on[i]]}, block
+    if args.get("offload_first_steps") is not None:
+        indices = window_steps(list(range(n)), warmup, args.get("offload_from_step", 0), args["offload_first_steps"])
+        return dict(indices), None
+    return {"all": list(range(warmup, n))}, None
+
+
+def by_position(row: dict, indices: list[int], block: int) -> list[float | None]:
+    """The minimum step time at each position 0 … block-1 within its block (a step's position: how many steps of the
+    same state precede it in its block)."""
+    on = row["alternation"]["on_steps"]
+    best: list[float | None] = [None] * block
+    for i in indices:
+        pos = 0
+        while pos < i and on[i - pos - 1] == on[i]:
+            pos += 1
+        if pos < block:
+            t = row["step_ms"][i]
+            best[pos] = t if best[pos] is None else min(best[pos], t)
+    return [None if b is None else round(b, 2) for b in best]
+
+
+def run_floor(path: str, rank: int = 0, positions: bool = False) -> dict:
+    data = json.loads(Path(path).read_text())
+    row = next((r for r in data["ranks"] if r.get("rank") == rank), None)
+    if row is None:
+        raise SystemExit(f"{path} has no rank {rank}: pick one of {[r.get('rank') for r in data['ranks']]}")
+    phases, block = phase_steps(data.get("args", {}), row)
+    out = {"file": path, "rank": rank, "phases": {}}
+    for name, indices in phases.items():
+        stats = floor_stats([row["step_ms"][i] for i in indices])
+        if stats is not None and positions and block:
+            stats["min_by_position"] = by_position(row, indices, block)
+        out["phases"][name] = stats
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("runs", nargs="+")
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--by-position", action="store_true")
+    p.add_argument("--json-out")
+    a = p.parse_args(argv)
+    rows = [run_floor(f, a.rank, a.by_position) for f in a.runs]
+    for r in rows:
+        print(f"{r['file']} (rank {r['rank']})")
+        for name, s in r["phases"].items():
+            if s is None:
+                print(f"  {name:10s} no steps")
+                continue
+            line = (f"  {name:10s} n {s['n']:4d}  min {s['min']:8.1f}  q10 {s['q10']:8.1f}  q25 {s['q25']:8.1f}  "
+                    f"median {s['median']:8.1f} ms")
+            if "min_by_position" in s:
+                line += "  min by position " + " ".join("-" if v is None else f"{v:.1f}" for v in s["min_by_position"])
+            print(line)
+    if a.json_out:
+        Path(a.json_out).write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
