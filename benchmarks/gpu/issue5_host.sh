@@ -26,6 +26,8 @@
 #    mid_NAME: NAME offloaded in steps MID_FROM..MID_TO-1 only (default 20..29), plain before and after: in one
 #    process, do plain steps after offloading run slower than before it? and the offloaded steps' overhead over the
 #    plain ones before (mid_NAME@native: native's, and the summary's ratio of the two, overhead_ratio.py).
+#    midec_NAME / midh_NAME / midb_NAME: mid_NAME releasing the device cache / the host buffers / both before the
+#    plain steps after the window (benchmarks/step_floor.py reads before and after by their fastest steps);
 #    NAME_bd: NAME with --runtime-breakdown (suffix order NAME_torchcopy_nochain_bd);
 #    NAME_torchcopy: PyTorch's copy_ instead of the raw cudaMemcpyAsync (MCORE_OFFLOAD_RAW_COPY=0); NAME_nochain: one
 #    group per point (MCORE_OFFLOAD_CHAIN_POINTS=0; suffix order NAME_torchcopy_nochain); "experts" and
@@ -103,10 +105,13 @@ for rep in $(seq 1 "${REPS:-2}"); do
         stoph_*) alt="--offload-first-steps ${STOP_AT:-12} --at-offload-stop release-host" ;;
         stopb_*) alt="--offload-first-steps ${STOP_AT:-12} --at-offload-stop both" ;;
         mid_*) alt="--offload-from-step ${MID_FROM:-20} --offload-first-steps ${MID_TO:-30}" ;;
+        midec_*) alt="--offload-from-step ${MID_FROM:-20} --offload-first-steps ${MID_TO:-30} --at-offload-stop empty-cache" ;;
+        midh_*) alt="--offload-from-step ${MID_FROM:-20} --offload-first-steps ${MID_TO:-30} --at-offload-stop release-host" ;;
+        midb_*) alt="--offload-from-step ${MID_FROM:-20} --offload-first-steps ${MID_TO:-30} --at-offload-stop both" ;;
         sw_*) alt="--alternate-runtime ${SWITCH:-flush_layers=4 reload_layers=2} --alternate-period ${ALT_PERIOD:-2}" ;;
         *) alt="" ;; esac
       case ${name%@old} in *_bd) alt="$alt --runtime-breakdown" ;; esac
-      base=${nosp%@old}; base=${base//_ssa/}; base=${base//_ssh/}; base=${base//_nccldbg/}; base=${base//_wc/}; base=${base//_coal/}; base=${base//_py/}; base=${base//_f4/}; base=${base//_r2/}; base=${base#alt_}; base=${base#sw_}; base=${base#idle_}; base=${base#stop_}; base=${base#stopec_}; base=${base#stoph_}; base=${base#stopb_}; base=${base#mid_}; [[ $base =~ ^blk[0-9]+_(.*)$ ]] && base=${BASH_REMATCH[1]}; base=${base%_bd}; base=${base%_nochain}; base=${base%_torchcopy}
+      base=${nosp%@old}; base=${base//_ssa/}; base=${base//_ssh/}; base=${base//_nccldbg/}; base=${base//_wc/}; base=${base//_coal/}; base=${base//_py/}; base=${base//_f4/}; base=${base//_r2/}; base=${base#alt_}; base=${base#sw_}; base=${base#idle_}; base=${base#stop_}; base=${base#stopec_}; base=${base#stoph_}; base=${base#stopb_}; base=${base#mid_}; base=${base#midec_}; base=${base#midh_}; base=${base#midb_}; [[ $base =~ ^blk[0-9]+_(.*)$ ]] && base=${BASH_REMATCH[1]}; base=${base%_bd}; base=${base%_nochain}; base=${base%_torchcopy}
       case $base in baseline) flags="" ;; core_attn) flags=$OFF ;;
         hooks_only) flags="$OFF --min-offloaded-tensor-size 1000000000000" ;;
         attn) flags="--fine-grained-activation-offloading --offload-modules qkv_linear core_attn attn_proj" ;;
