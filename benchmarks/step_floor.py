@@ -17,7 +17,7 @@ along a block is spill-over from the switch; a flat one is a state.
 
     python benchmarks/step_floor.py RUN.json [RUN.json ...] [--rank 0] [--by-position] [--json-out FILE]
 
-Percentiles are nearest-rank from below (``sorted[int(p * (n - 1))]``).
+Percentiles: ``sorted[int(p * n)]`` (:func:`lower_percentile`).
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ from paired_steps import first_counted_step  # noqa: E402
 
 
 def lower_percentile(values: list[float], p: float) -> float:
+    """The value at index ``int(p * n)`` of the sorted values (issue5_host.sh's summary prints its q10 so)."""
     ordered = sorted(values)
-    return ordered[int(p * (len(ordered) - 1))]
+    return ordered[min(len(ordered) - 1, int(p * len(ordered)))]
 
 
 def floor_stats(values: list[float]) -> dict | None:

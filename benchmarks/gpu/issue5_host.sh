@@ -142,6 +142,7 @@ import json, pathlib, statistics as st, sys
 sys.path.insert(0, "benchmarks")
 from host_periods import split_by_step_time  # noqa: E402
 from overhead_ratio import compare, compare_windows, is_window_run  # noqa: E402
+from step_floor import lower_percentile  # noqa: E402
 
 files = sorted(pathlib.Path(sys.argv[1]).glob("*-*-[0-9].json"))
 ranks = {f.stem: json.loads(f.read_text())["ranks"] for f in files}
@@ -150,11 +151,10 @@ runs = {stem: rows[0] for stem, rows in ranks.items()}
 last = {stem: max(rows, key=lambda row: row["rank"])["loss_hex"] for stem, rows in ranks.items()}
 for stem, r in runs.items():
     t = r["step_ms"][5:] or r["step_ms"]  # short runs (the CPU test) keep every step
-    q = sorted(t)
     base = "baseline-" + stem.split("-", 1)[1]
     same = "-" if base not in runs or stem.startswith("baseline") else (
         "no losses" if all(x is None for x in last[stem]) else last[stem] == last[base])
-    print(f"{stem:24s} median {st.median(t):7.1f}  q10 {q[len(q) // 10]:7.1f}  min {q[0]:7.1f} ms  loss equal {same}  "
+    print(f"{stem:24s} median {st.median(t):7.1f}  q10 {lower_percentile(t, 0.1):7.1f}  min {min(t):7.1f} ms  loss equal {same}  "
           f"host {r.get('runtime_cpu_ms')}  issued {r.get('issue_ms_median')} ms  cpus {len(r.get('cpus') or [])}  "
           f"load {r.get('loadavg')}  "
           f"device mallocs/frees after step 1: {[sum(v[2:]) for v in (r.get('allocator_per_step') or {}).values()]}")
