@@ -60,8 +60,8 @@ def phase_steps(args: dict, row: dict) -> tuple[dict[str, list[int]], int | None
         counted = [i for i in range(first, min(n, len(on))) if not (block and i > 0 and on[i] != on[i - 1])]
         return {"offloaded": [i for i in counted if on[i]], "plain": [i for i in counted if not on[i]]}, block
     if args.get("offload_first_steps") is not None:
-        indices = window_steps(list(range(n)), warmup, args.get("offload_from_step", 0), args["offload_first_steps"])
-        return dict(indices), None
+        # window_steps slices what it is given: given the step indices, it returns each phase's indices
+        return window_steps(list(range(n)), warmup, args.get("offload_from_step", 0), args["offload_first_steps"]), None
     return {"all": list(range(warmup, n))}, None
 
 
