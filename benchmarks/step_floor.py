@@ -15,7 +15,12 @@ at 344.7-350.3). This tool prints them per phase, from ``pretrain_gpt.py``'s JSO
 ``--by-position`` adds, for block runs, each phase's minimum by position within its blocks: an offset that fades
 along a block is spill-over from the switch; a flat one is a state.
 
-    python benchmarks/step_floor.py RUN.json [RUN.json ...] [--rank 0] [--by-position] [--json-out FILE]
+``--host K`` adds, per phase, the host side of its K fastest steps (medians of the issue time and of the main
+thread's and the process's CPU time over the issue, from the per-step host clock): whether a phase's higher floor is
+more host work or the same host work waiting longer. Backward runs on autograd's own thread, so the main thread's CPU
+time leaves it out and the process's counts it (and any spin-wait in a CUDA synchronisation).
+
+    python benchmarks/step_floor.py RUN.json [RUN.json ...] [--rank 0] [--by-position] [--host K] [--json-out FILE]
 
 Percentiles: ``sorted[int(p * n)]`` (:func:`lower_percentile`).
 """
@@ -80,7 +85,24 @@ def by_position(row: dict, indices: list[int], block: int) -> list[float | None]
     return [None if b is None else round(b, 2) for b in best]
 
 
-def run_floor(path: str, rank: int = 0, positions: bool = False) -> dict:
+HOST_SERIES = ("issue_ms", "thread_cpu_ms", "process_cpu_ms")
+
+
+def host_at_floor(row: dict, indices: list[int], fastest: int) -> dict | None:
+    """Medians of the issue time and the host clock's CPU times over the ``fastest`` quickest of ``indices`` (None
+    when the row has none of them: runs from before the host clock)."""
+    chosen = sorted(indices, key=row["step_ms"].__getitem__)[:fastest]
+    clock = row.get("host_clock") or {}
+    out = {}
+    for name in HOST_SERIES:
+        series = row.get(name) if name == "issue_ms" else clock.get(name)
+        values = [series[i] for i in chosen if series and i < len(series) and series[i] is not None]
+        if values:
+            out[name] = round(statistics.median(values), 2)
+    return out or None
+
+
+def run_floor(path: str, rank: int = 0, positions: bool = False, host: int = 0) -> dict:
     data = json.loads(Path(path).read_text())
     row = next((r for r in data["ranks"] if r.get("rank") == rank), None)
     if row is None:
@@ -91,6 +113,8 @@ def run_floor(path: str, rank: int = 0, positions: bool = False) -> dict:
         stats = floor_stats([row["step_ms"][i] for i in indices])
         if stats is not None and positions and block:
             stats["min_by_position"] = by_position(row, indices, block)
+        if stats is not None and host:
+            stats["host_at_floor"] = host_at_floor(row, indices, host)
         out["phases"][name] = stats
     return out
 
@@ -100,9 +124,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("runs", nargs="+")
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--by-position", action="store_true")
+    p.add_argument("--host", type=int, default=0, metavar="K",
+                   help="per phase, the issue and CPU times of its K fastest steps (medians)")
     p.add_argument("--json-out")
     a = p.parse_args(argv)
-    rows = [run_floor(f, a.rank, a.by_position) for f in a.runs]
+    if a.host < 0:
+        p.error(f"--host {a.host}: give a number of fastest steps, 1 or more (0 leaves the host columns out)")
+    rows = [run_floor(f, a.rank, a.by_position, a.host) for f in a.runs]
     for r in rows:
         print(f"{r['file']} (rank {r['rank']})")
         for name, s in r["phases"].items():
@@ -114,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
             if "min_by_position" in s:
                 line += "  min by position " + " ".join("-" if v is None else f"{v:.1f}" for v in s["min_by_position"])
             print(line)
+            if a.host:
+                h = s.get("host_at_floor")
+                print(f"  {'':10s} fastest {a.host}: " + ("no host clock" if h is None else
+                      "  ".join(f"{k} {v:.1f}" for k, v in h.items())))
     if a.json_out:
         Path(a.json_out).write_text(json.dumps(rows, indent=1) + "\n")
     return 0

@@ -92,3 +92,29 @@ def test_cli_prints_and_writes_json(tmp_path, capsys):
     assert "offloaded" in printed and "min by position - 100.0 100.0 100.0 100.0" in printed
     rows = json.loads(out_json.read_text())
     assert rows[0]["phases"]["plain"]["min"] == 100.0
+
+
+def test_host_at_floor_reads_the_fastest_steps_of_each_phase(tmp_path):
+    path = block_run(tmp_path, [100.0] * 5)
+    data = json.loads(Path(path).read_text())
+    row = data["ranks"][0]
+    n = len(row["step_ms"])
+    # issue time and CPU track the step time, except that the plain steps' main thread uses 10 ms less CPU
+    on = row["alternation"]["on_steps"]
+    row["issue_ms"] = [t - 50 for t in row["step_ms"]]
+    row["host_clock"] = {"thread_cpu_ms": [t / 2 - (0 if on[i] else 10) for i, t in enumerate(row["step_ms"])],
+                         "process_cpu_ms": [t - 50 for t in row["step_ms"]]}
+    row["host_clock"]["process_cpu_ms"][n - 1] = None  # a step without a reading is left out
+    Path(path).write_text(json.dumps(data))
+    phases = step_floor.run_floor(path, host=3)["phases"]
+    assert phases["offloaded"]["host_at_floor"] == {"issue_ms": 60.0, "thread_cpu_ms": 55.0, "process_cpu_ms": 60.0}
+    assert phases["plain"]["host_at_floor"] == {"issue_ms": 50.0, "thread_cpu_ms": 40.0, "process_cpu_ms": 50.0}
+    assert "host_at_floor" not in step_floor.run_floor(path)["phases"]["plain"]
+
+
+def test_host_columns_without_a_host_clock_say_so(tmp_path, capsys):
+    path = block_run(tmp_path, [100.0] * 5)
+    assert step_floor.main([path, "--host", "4"]) == 0
+    assert "fastest 4: no host clock" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        step_floor.main([path, "--host", "-1"])
