@@ -21,6 +21,10 @@ import statistics
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from run_json import load_row  # noqa: E402
+
 logger = logging.getLogger("host_periods")
 
 COUNTERS = ("issue_ms", "thread_cpu_ms", "process_cpu_ms", "steal_ms", "busy_cpus", "involuntary_switches")
@@ -86,15 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     result = {}
     for path in args.runs:
-        data = json.loads(Path(path).read_text())
-        rows = [r for r in data["ranks"] if r["rank"] == args.rank]
-        if not rows:
-            raise SystemExit(f"{path} has no rank {args.rank}: pass --rank with one of its ranks")
-        if not rows[0].get("host_clock"):
+        run_args, row = load_row(path, args.rank)
+        if not row.get("host_clock"):
             raise SystemExit(f"{path} has no host_clock: it was written before pretrain_gpt.py recorded one "
                              "(session 27); run it again with the current benchmarks")
-        warmup = data.get("args", {}).get("warmup_steps", 5)
-        got = result[path] = split_by_step_time(rows[0], warmup)
+        got = result[path] = split_by_step_time(row, run_args["warmup_steps"])
         logger.info("%s (rank %d, %d timed steps): step %.1f ms fastest third, %.1f ms slowest", path, args.rank,
                     got["timed_steps"], got["step_ms"]["fast"], got["step_ms"]["slow"])
         for name in COUNTERS:

@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from offload_stop import window_steps  # noqa: E402
 from paired_steps import first_counted_step  # noqa: E402
+from run_json import load_row  # noqa: E402
 
 
 def lower_percentile(values: list[float], p: float) -> float:
@@ -56,7 +57,7 @@ def floor_stats(values: list[float]) -> dict | None:
 def phase_steps(args: dict, row: dict) -> tuple[dict[str, list[int]], int | None]:
     """The step indices of each phase of one rank's row, and the block length (None: not a block run)."""
     n = len(row["step_ms"])
-    warmup = args.get("warmup_steps", 0)
+    warmup = args["warmup_steps"]
     alternation = row.get("alternation")
     if alternation and alternation.get("on_steps"):
         on = alternation["on_steps"]
@@ -103,11 +104,8 @@ def host_at_floor(row: dict, indices: list[int], fastest: int) -> dict | None:
 
 
 def run_floor(path: str, rank: int = 0, positions: bool = False, host: int = 0) -> dict:
-    data = json.loads(Path(path).read_text())
-    row = next((r for r in data["ranks"] if r.get("rank") == rank), None)
-    if row is None:
-        raise SystemExit(f"{path} has no rank {rank}: pick one of {[r.get('rank') for r in data['ranks']]}")
-    phases, block = phase_steps(data.get("args", {}), row)
+    args, row = load_row(path, rank)
+    phases, block = phase_steps(args, row)
     out = {"file": path, "rank": rank, "phases": {}}
     for name, indices in phases.items():
         stats = floor_stats([row["step_ms"][i] for i in indices])

@@ -80,7 +80,7 @@ def test_plain_run_counts_every_step_after_the_warm_up(tmp_path):
 
 def test_missing_rank_is_one_clear_sentence(tmp_path):
     path = write_run(tmp_path, "base.json", {"warmup_steps": 0}, [1.0, 2.0])
-    with pytest.raises(SystemExit, match="has no rank 3: pick one of"):
+    with pytest.raises(SystemExit, match=r"has no rank 3: pass --rank with one of \[0\]"):
         step_floor.run_floor(path, rank=3)
 
 
@@ -118,3 +118,9 @@ def test_host_columns_without_a_host_clock_say_so(tmp_path, capsys):
     assert "fastest 4: no host clock" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         step_floor.main([path, "--host", "-1"])
+
+
+def test_a_json_without_its_warm_up_is_refused_not_guessed(tmp_path):
+    path = write_run(tmp_path, "bare.json", {}, [1.0, 2.0])
+    with pytest.raises(SystemExit, match="has no args.warmup_steps: it is not a pretrain_gpt.py result JSON"):
+        step_floor.run_floor(path)
