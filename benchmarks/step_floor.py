@@ -3,7 +3,8 @@
 Why: on the 2x H200 host a plain run steps at about 350 ms and, for 10-40 steps at a time, at 400-520 ms, because the
 host's CPU runs slower then (session 28's host clock). Medians move with those periods; a phase's minimum and lower
 percentiles move little (ours' plain steps between offloaded blocks sat at 355.6-357.7 ms in three calls, native's
-at 344.7-350.3). This tool prints them per phase, from ``pretrain_gpt.py``'s JSON:
+at 344.7-350.3, on megatron-core 0.16.1, which without offloading steps about 4 ms faster than 0.15.3: session 29).
+This tool prints them per phase, from ``pretrain_gpt.py``'s JSON:
 
 - block- or step-alternating runs (``--alternate-offload``): the offloaded and the plain steps from the first
   counted step on; in a block run (``--alternate-block B``) each block's first step is left out (a switch's own cost
