@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import copy_engine as ce  # noqa: E402
+from graph_burst import GraphBurst, GraphRuntime  # noqa: E402
 
 from mcore_offload.runtime.cudart import DEVICE_TO_HOST, HOST_TO_DEVICE, EventPool, load_runtime  # noqa: E402
 
@@ -32,10 +33,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=300)
     p.add_argument("--small", type=int, default=60, help="tiny kernels per layer")
+    p.add_argument("--gemms", type=int, default=4,
+                   help="4096x2048x2048 GEMMs per layer (default 4: the loop is launch-bound; 40 with --small 10 "
+                        "makes it GPU-bound, so the launch queue fills and the host runs ahead)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--variants", default="none inline thread thread_spin thread_noreap",
-                   help="of: none inline inline_batch thread thread_spin thread_noreap (inline_batch: each burst's "
-                        "copies as one cudaMemcpyBatchAsync)")
+                   help="of: none inline inline_batch inline_graph inline_graph_ev thread thread_spin thread_noreap "
+                        "(inline_batch: each burst's copies as one cudaMemcpyBatchAsync; inline_graph: each burst's "
+                        "copies as one CUDA graph launch, its copy nodes given the burst's addresses first; "
+                        "inline_graph_ev: the side stream's fence wait and done record inside the graph too; see "
+                        "graph_burst.py)")
     p.add_argument("--storage-mib", type=float, default=2.0,
                    help="bytes of each of the three storages per direction (default 2: the link never holds the loop "
                         "back, so the figure is host time; A's storages are ~17 MiB)")
@@ -64,10 +71,44 @@ def main() -> None:
     def compute() -> int:
         return torch._C._cuda_getCurrentRawStream(0)
 
+    graphs: dict[str, tuple[GraphBurst, GraphBurst]] = {}
+    want = args.variants.split()
+    if "inline_graph" in want or "inline_graph_ev" in want:
+        grt = GraphRuntime(rt)
+        for v, with_events in (("inline_graph", False), ("inline_graph_ev", True)):
+            if v in want:
+                graphs[v] = (GraphBurst(grt, d2h_h, 3, DEVICE_TO_HOST, with_events),
+                             GraphBurst(grt, h2d_h, 3, HOST_TO_DEVICE, with_events))
+
+    def burst_graph(variant: str) -> None:
+        out, back_g = graphs[variant]
+        rec, wait = rt.event_record, rt.stream_wait
+        c = compute()
+        rec(fence_d.handle, c)
+        done = pool.get()
+        if out.with_events:  # the graph waits on the fence and records ``done`` itself
+            out.launch([h.data_ptr() for h in hosts], [s.data_ptr() for s in srcs], nbytes, fence_d.handle,
+                       done.handle)
+        else:
+            wait(d2h_h, fence_d.handle, 0)
+            out.launch([h.data_ptr() for h in hosts], [s.data_ptr() for s in srcs], nbytes)
+            rec(done.handle, d2h_h)
+        rec(fence_h.handle, c)
+        wait(h2d_h, done.handle, 0)
+        back = pool.get()
+        if back_g.with_events:
+            back_g.launch([d.data_ptr() for d in dsts], [h.data_ptr() for h in hosts], nbytes, fence_h.handle,
+                          back.handle)
+        else:
+            wait(h2d_h, fence_h.handle, 0)
+            back_g.launch([d.data_ptr() for d in dsts], [h.data_ptr() for h in hosts], nbytes)
+            rec(back.handle, h2d_h)
+        wait(c, back.handle, 0)
+
     def layer_work() -> None:
         for _ in range(args.small):
             x.add_(1.0)
-        for _ in range(4):
+        for _ in range(args.gemms):
             torch.mm(a, b)
 
     def burst_inline(batch: bool = False) -> None:
@@ -118,13 +159,24 @@ def main() -> None:
         engine.wait_issued(job)
         rt.stream_wait(c, back.handle, 0)
 
+    # the inline variants' own calls, timed around each burst pair (a direct figure, free of the loop's own noise
+    # that the per-layer difference carries; it leaves out any cost the calls push onto later launches)
+    call_us: dict[str, list[float]] = {v: [] for v in args.variants.split()}
+
     def run(variant: str) -> float:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(args.layers):
             layer_work()
             if variant in ("inline", "inline_batch"):
+                b0 = time.perf_counter()
                 burst_inline(batch=variant == "inline_batch")
+                call_us[variant].append((time.perf_counter() - b0) * 1e6)
+                layer_work()
+            elif variant in graphs:
+                b0 = time.perf_counter()
+                burst_graph(variant)
+                call_us[variant].append((time.perf_counter() - b0) * 1e6)
                 layer_work()
             elif variant == "thread":
                 burst_thread()
@@ -141,9 +193,18 @@ def main() -> None:
 
     variants = tuple(args.variants.split())
     assert variants[0] == "none", "the first variant is the reference: none"
+    for v in graphs:  # a graph burst pair must move the bytes: out and back into zeroed buffers
+        for t in hosts + dsts:
+            t.zero_()
+        torch.cuda.synchronize()
+        burst_graph(v)
+        torch.cuda.synchronize()
+        assert all(torch.equal(d, s) for d, s in zip(dsts, srcs)), f"{v}: graph round trip mismatch"
     assert "inline_batch" not in variants or rt.memcpy_batch is not None, "no cudaMemcpyBatchAsync (CUDA < 13)"
     for v in variants:  # warm-up
         run(v)
+    for t in call_us.values():
+        t.clear()
     res: dict[str, list[float]] = {v: [] for v in variants}
     for _ in range(args.reps):
         for v in res:
@@ -154,15 +215,17 @@ def main() -> None:
     med = {v: statistics.median(t) for v, t in res.items()}
     out = {
         "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "python": platform.python_version(),
-        "layers": args.layers, "small_kernels": args.small, "storage_MiB": args.storage_mib,
+        "layers": args.layers, "small_kernels": args.small, "gemms": args.gemms, "storage_MiB": args.storage_mib,
         "host_us_per_layer": res, "median_us_per_layer": med,
         "burst_us": {v: med[v] - med["none"] for v in variants[1:]},
+        "burst_call_us": {v: {"median": round(statistics.median(t), 2), "q10": round(sorted(t)[len(t) // 10], 2),
+                              "n": len(t)} for v, t in call_us.items() if t},
         "engine_counters": [engine.counters[i] for i in range(6)],
     }
     engine.stop()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
-    print(json.dumps({k: out[k] for k in ("median_us_per_layer", "burst_us")}, indent=1))
+    print(json.dumps({k: out[k] for k in ("median_us_per_layer", "burst_us", "burst_call_us")}, indent=1))
 
 
 if __name__ == "__main__":
