@@ -38,14 +38,17 @@ def main() -> None:
                         "makes it GPU-bound, so the launch queue fills and the host runs ahead)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--variants", default="none inline thread thread_spin thread_noreap",
-                   help="of: none inline inline_batch inline_graph inline_graph_ev thread thread_spin thread_noreap "
-                        "(inline_batch: each burst's copies as one cudaMemcpyBatchAsync; inline_graph: each burst's "
-                        "copies as one CUDA graph launch, its copy nodes given the burst's addresses first; "
-                        "inline_graph_ev: the side stream's fence wait and done record inside the graph too; see "
-                        "graph_burst.py)")
+                   help="of: none inline inline_x2 inline_batch inline_graph inline_graph_ev thread thread_spin "
+                        "thread_noreap (inline_x2: two layers' burst pairs together every other layer; inline_batch: "
+                        "each burst's copies as one cudaMemcpyBatchAsync; inline_graph: each burst's copies as one "
+                        "CUDA graph launch, its copy nodes given the burst's addresses first; inline_graph_ev: the "
+                        "side stream's fence wait and done record inside the graph too; see graph_burst.py)")
     p.add_argument("--storage-mib", type=float, default=2.0,
                    help="bytes of each of the three storages per direction (default 2: the link never holds the loop "
                         "back, so the figure is host time; A's storages are ~17 MiB)")
+    p.add_argument("--pollute-mib", type=float, default=0.0,
+                   help="before each burst, write this many MiB of host memory (evicts the CPU's data caches, as a "
+                        "step's Python and kernels launched between two bursts do; untimed in burst_call_us)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
@@ -137,7 +140,8 @@ def main() -> None:
 
     held = []
 
-    def burst_thread(reap: bool = True, events: EventPool = blocking) -> None:
+    def burst_thread(reap: bool = True, events: EventPool = blocking, timed: list[float] | None = None) -> None:
+        b0 = time.perf_counter()
         c = compute()
         done = events.get()
         ops = [ce.OP_RECORD, fence_d.handle, c, ce.OP_WAIT, d2h_h, fence_d.handle]
@@ -155,20 +159,35 @@ def main() -> None:
             ops += (ce.OP_COPY, d.data_ptr(), h.data_ptr(), nbytes, HOST_TO_DEVICE, h2d_h)
         ops += (ce.OP_RECORD, back.handle, h2d_h)
         job = engine.submit(ops)
+        b1 = time.perf_counter()
         layer_work()  # the reload is awaited a layer's work later, as the prefetch does
+        b2 = time.perf_counter()
         engine.wait_issued(job)
         rt.stream_wait(c, back.handle, 0)
+        if timed is not None:  # the training thread's own time in the burst pair, the layer's work left out
+            timed.append((b1 - b0 + time.perf_counter() - b2) * 1e6)
 
     # the inline variants' own calls, timed around each burst pair (a direct figure, free of the loop's own noise
     # that the per-layer difference carries; it leaves out any cost the calls push onto later launches)
     call_us: dict[str, list[float]] = {v: [] for v in args.variants.split()}
 
+    pollution = torch.zeros(int(args.pollute_mib * 2**20), dtype=torch.uint8) if args.pollute_mib else None
+
     def run(variant: str) -> float:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        for _ in range(args.layers):
+        for layer in range(args.layers):
             layer_work()
-            if variant in ("inline", "inline_batch"):
+            if pollution is not None:
+                pollution.add_(1)
+            if variant == "inline_x2":  # two layers' burst pairs back to back every other layer: a cold start shared
+                if layer % 2:
+                    b0 = time.perf_counter()
+                    burst_inline()
+                    burst_inline()
+                    call_us[variant].append((time.perf_counter() - b0) / 2 * 1e6)  # per layer, as the others
+                layer_work()
+            elif variant in ("inline", "inline_batch"):
                 b0 = time.perf_counter()
                 burst_inline(batch=variant == "inline_batch")
                 call_us[variant].append((time.perf_counter() - b0) * 1e6)
@@ -179,11 +198,11 @@ def main() -> None:
                 call_us[variant].append((time.perf_counter() - b0) * 1e6)
                 layer_work()
             elif variant == "thread":
-                burst_thread()
+                burst_thread(timed=call_us[variant])
             elif variant == "thread_spin":  # the reaper synchronizes on spinning (default-flag) events
-                burst_thread(events=pool)
+                burst_thread(events=pool, timed=call_us[variant])
             elif variant == "thread_noreap":
-                burst_thread(reap=False)
+                burst_thread(reap=False, timed=call_us[variant])
             else:
                 layer_work()
         host = time.perf_counter() - t0
@@ -216,6 +235,7 @@ def main() -> None:
     out = {
         "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "python": platform.python_version(),
         "layers": args.layers, "small_kernels": args.small, "gemms": args.gemms, "storage_MiB": args.storage_mib,
+        "pollute_MiB": args.pollute_mib,
         "host_us_per_layer": res, "median_us_per_layer": med,
         "burst_us": {v: med[v] - med["none"] for v in variants[1:]},
         "burst_call_us": {v: {"median": round(statistics.median(t), 2), "q10": round(sorted(t)[len(t) // 10], 2),
