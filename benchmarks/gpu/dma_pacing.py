@@ -1,0 +1,154 @@
+"""Does the host slowdown a PCIe copy causes depend on the copy's rate, or only on the bytes moved?
+
+Sessions 13 and 14 (``dma_host_contention.py``) found the training thread's Python and launches 10-30 % slower while
+the copy engines stream at the link's full rate, and the same bytes moved with no runtime at all cost A `core_attn`
++4.3 % (session 16): the floor under issue 5's "≤ +2 %" rows. If the slowdown grows faster than the rate (a loaded
+memory system's latency does), the same bytes spread over more of the compute time (paced: a copy, then a GPU-side
+gap on the same stream) would cost less host time in all. If it is linear in the rate, pacing cannot help.
+
+Per condition (``idle``; ``d2h``, ``h2d``, ``both`` at each ``--duties`` share of the time copying), many short
+windows alternate in a shuffled order: a paced copy sequence is queued on side streams (2 MiB raw
+``cudaMemcpyAsync`` each, then ``torch.cuda._sleep`` for the gap), and the thread then times a unit of host work
+(``mixed``: a tiny kernel launch plus a little dict and list work, the shape of a launch-bound step's host loop)
+while the sequence runs; a window that outlived its sequence is not counted. Result per condition: the median µs a
+unit, its ratio to ``idle``, the copies' achieved GB/s (bytes over the GPU-timed sequence), and the slowdown per
+GB/s: ``(ratio - 1) / GBps``. Equal values across duties mean the cost is linear in the rate (per byte).
+
+    python3 benchmarks/gpu/dma_pacing.py [--duties 1 0.5 0.25] [--windows 80] [--out dma_pacing.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from mcore_offload.runtime.cudart import DEVICE_TO_HOST, HOST_TO_DEVICE, load_runtime  # noqa: E402
+
+PIECE = 2 << 20  # bytes a copy
+LINK_GBPS = 54.0  # what a piece's time is planned from; the achieved rate is measured
+
+
+def sleep_cycles_per_us() -> float:
+    """GPU clock cycles ``torch.cuda._sleep`` spins per µs on this device."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    cycles = 20_000_000
+    torch.cuda._sleep(cycles // 10)  # warm
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return cycles / (start.elapsed_time(end) * 1e3)
+
+
+def queue_paced(rt, direction: str, dev: torch.Tensor, host: torch.Tensor, stream: torch.cuda.Stream, span_ms: float,
+                duty: float, cycles_us: float) -> tuple[torch.cuda.Event, torch.cuda.Event, int]:
+    """Queue about ``span_ms`` of copies at ``duty`` of the time; return (start, end, bytes)."""
+    copy_us = PIECE / (LINK_GBPS * 1e3)
+    gap_cycles = int(copy_us * (1 / duty - 1) * cycles_us)
+    pieces = max(int(span_ms * 1e3 * duty / copy_us), 1)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    n = dev.numel() // PIECE
+    with torch.cuda.stream(stream):
+        start.record(stream)
+        for i in range(pieces):
+            off = (i % n) * PIECE
+            if direction == "d2h":
+                rt.memcpy_async(host.data_ptr() + off, dev.data_ptr() + off, PIECE, DEVICE_TO_HOST, stream.cuda_stream)
+            else:
+                rt.memcpy_async(dev.data_ptr() + off, host.data_ptr() + off, PIECE, HOST_TO_DEVICE, stream.cuda_stream)
+            if gap_cycles:
+                torch.cuda._sleep(gap_cycles)
+        end.record(stream)
+    return start, end, pieces * PIECE
+
+
+def host_work(n: int, x: torch.Tensor, y: torch.Tensor) -> float:
+    """µs per unit: one tiny launch and a little Python, the shape of a launch-bound step's host loop."""
+    t0 = time.perf_counter_ns()
+    for i in range(n):
+        torch.add(x, 1.0, out=y)
+        d = {"a": i, "b": [i, i + 1], "c": (i,)}
+        s = 0
+        for k, v in d.items():
+            s += len(k) + (len(v) if isinstance(v, (list, tuple)) else v)
+    return (time.perf_counter_ns() - t0) / 1e3 / n
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--duties", type=float, nargs="+", default=[1.0, 0.5, 0.25])
+    p.add_argument("--windows", type=int, default=80, help="windows per condition")
+    p.add_argument("--units", type=int, default=1500, help="host work units a window (~15-25 ms)")
+    p.add_argument("--span-ms", type=float, default=60.0, help="queued copy sequence per window")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    assert torch.cuda.is_available(), "needs a GPU"
+    rt = load_runtime()
+    assert rt is not None, "needs the CUDA runtime PyTorch has mapped (raw copies)"
+    devs = {d: torch.empty(256 << 20, dtype=torch.uint8, device="cuda") for d in ("d2h", "h2d")}
+    hosts = {d: torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True) for d in ("d2h", "h2d")}
+    streams = {d: torch.cuda.Stream() for d in ("d2h", "h2d")}
+    x, y = torch.zeros(256, device="cuda"), torch.empty(256, device="cuda")
+    cycles_us = sleep_cycles_per_us()
+    conditions = ["idle"] + [f"{k}@{duty:g}" for duty in args.duties for k in ("d2h", "h2d", "both")]
+    host_work(args.units // 4, x, y)
+    torch.cuda.synchronize()
+    work: dict[str, list[float]] = {c: [] for c in conditions}
+    rates: dict[str, dict[str, list[float]]] = {c: {"d2h": [], "h2d": []} for c in conditions}
+    outlived = {c: 0 for c in conditions}
+    order = [c for c in conditions for _ in range(args.windows)]
+    random.Random(args.seed).shuffle(order)
+    for i, cond in enumerate(order):
+        kind, _, duty = cond.partition("@")
+        spans = []
+        if cond != "idle":
+            for direction in ("d2h", "h2d") if kind == "both" else (kind,):
+                spans.append((direction, *queue_paced(rt, direction, devs[direction], hosts[direction],
+                                                      streams[direction], args.span_ms, float(duty), cycles_us)))
+            time.sleep(0.002)  # let the copies start
+        us = host_work(args.units, x, y)
+        ended = any(e.query() for _, _, e, _ in spans)
+        torch.cuda.synchronize()
+        if ended:
+            outlived[cond] += 1
+        else:
+            work[cond].append(us)
+            for direction, start, end, nbytes in spans:
+                rates[cond][direction].append(nbytes / (start.elapsed_time(end) * 1e6))
+        if (i + 1) % 100 == 0:
+            print(f"window {i + 1}/{len(order)}", file=sys.stderr, flush=True)
+    idle = statistics.median(work["idle"])
+    rows = {}
+    print(f"{'condition':<12}{'windows':>8}{'us/unit':>10}{'x idle':>8}{'GB/s':>14}{'(x-1)/GBps %':>15}")
+    for c in conditions:
+        if not work[c]:
+            rows[c] = {"windows": 0, "outlived": outlived[c]}
+            print(f"{c:<12}{0:>8}  (every window outlived its copies: raise --span-ms)")
+            continue
+        med = statistics.median(work[c])
+        gbps = {d: statistics.median(v) for d, v in rates[c].items() if v}
+        total = sum(gbps.values())
+        per = (med / idle - 1) / total * 100 if total else None
+        rows[c] = {"windows": len(work[c]), "outlived": outlived[c], "us_per_unit": med, "ratio_to_idle": med / idle,
+                   "GBps": gbps, "slowdown_pct_per_GBps": per}
+        print(f"{c:<12}{len(work[c]):>8}{med:>10.3f}{med / idle:>8.3f}"
+              f"{' + '.join(f'{v:.1f}' for v in gbps.values()) or '-':>14}"
+              f"{'' if per is None else f'{per:.3f}':>15}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({
+            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args),
+            "sleep_cycles_per_us": cycles_us, "piece_bytes": PIECE, "conditions": rows, "raw_us": work}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
