@@ -6,13 +6,16 @@ the copy engines stream at the link's full rate, and the same bytes moved with n
 memory system's latency does), the same bytes spread over more of the compute time (paced: a copy, then a GPU-side
 gap on the same stream) would cost less host time in all. If it is linear in the rate, pacing cannot help.
 
-Per condition (``idle``; ``d2h``, ``h2d``, ``both`` at each ``--duties`` share of the time copying), many short
-windows alternate in a shuffled order: a paced copy sequence is queued on side streams (2 MiB raw
-``cudaMemcpyAsync`` each, then ``torch.cuda._sleep`` for the gap), and the thread then times a unit of host work
+Per condition (``none``, ``d2h``, ``h2d``, ``both`` at each ``--duties`` share of the time copying), many short
+windows alternate in a shuffled order: a paced sequence is queued on each of two side streams (2 MiB raw
+``cudaMemcpyAsync`` each, then ``torch.cuda._sleep`` for the gap; where a stream carries no traffic in that
+condition, a ``_sleep`` of the copy's duration stands in for each copy, so every window makes the same host calls
+before it and keeps the same streams busy), and the thread then times a unit of host work
 (``mixed``: a tiny kernel launch plus a little dict and list work, the shape of a launch-bound step's host loop)
 while the sequence runs; a window that outlived its sequence is not counted. Result per condition: the median µs a
-unit, its ratio to ``idle``, the copies' achieved GB/s (bytes over the GPU-timed sequence), and the slowdown per
-GB/s: ``(ratio - 1) / GBps``. Equal values across duties mean the cost is linear in the rate (per byte).
+unit, its ratio to ``none`` at the same duty, the copies' achieved GB/s (bytes over the GPU-timed sequence), and
+the slowdown per GB/s: ``(ratio - 1) / GBps``.
+Equal values across duties mean the cost is linear in the rate (per byte).
 
     python3 benchmarks/gpu/dma_pacing.py [--duties 1 0.5 0.25] [--windows 80] [--out dma_pacing.json]
 """
@@ -48,9 +51,11 @@ def sleep_cycles_per_us() -> float:
     return cycles / (start.elapsed_time(end) * 1e3)
 
 
-def queue_paced(rt, direction: str, dev: torch.Tensor, host: torch.Tensor, stream: torch.cuda.Stream, span_ms: float,
-                duty: float, cycles_us: float) -> tuple[torch.cuda.Event, torch.cuda.Event, int]:
-    """Queue about ``span_ms`` of copies at ``duty`` of the time; return (start, end, bytes)."""
+def queue_paced(rt, direction: str | None, dev: torch.Tensor, host: torch.Tensor, stream: torch.cuda.Stream,
+                span_ms: float, duty: float, cycles_us: float) -> tuple[torch.cuda.Event, torch.cuda.Event, int]:
+    """Queue about ``span_ms`` of copies at ``duty`` of the time; return (start, end, bytes). ``direction`` None
+    queues the same calls with each copy replaced by a ``_sleep`` of its duration: the stream as busy, the same host
+    calls before the window, no PCIe traffic (each condition's control)."""
     copy_us = PIECE / (LINK_GBPS * 1e3)
     gap_cycles = int(copy_us * (1 / duty - 1) * cycles_us)
     pieces = max(int(span_ms * 1e3 * duty / copy_us), 1)
@@ -62,12 +67,14 @@ def queue_paced(rt, direction: str, dev: torch.Tensor, host: torch.Tensor, strea
             off = (i % n) * PIECE
             if direction == "d2h":
                 rt.memcpy_async(host.data_ptr() + off, dev.data_ptr() + off, PIECE, DEVICE_TO_HOST, stream.cuda_stream)
-            else:
+            elif direction == "h2d":
                 rt.memcpy_async(dev.data_ptr() + off, host.data_ptr() + off, PIECE, HOST_TO_DEVICE, stream.cuda_stream)
+            else:
+                torch.cuda._sleep(int(copy_us * cycles_us))
             if gap_cycles:
                 torch.cuda._sleep(gap_cycles)
         end.record(stream)
-    return start, end, pieces * PIECE
+    return start, end, 0 if direction is None else pieces * PIECE
 
 
 def host_work(n: int, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -87,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duties", type=float, nargs="+", default=[1.0, 0.5, 0.25])
     p.add_argument("--windows", type=int, default=80, help="windows per condition")
     p.add_argument("--units", type=int, default=1500, help="host work units a window (~15-25 ms)")
-    p.add_argument("--span-ms", type=float, default=60.0, help="queued copy sequence per window")
+    p.add_argument("--span-ms", type=float, default=90.0, help="queued copy sequence per window")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -99,7 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     streams = {d: torch.cuda.Stream() for d in ("d2h", "h2d")}
     x, y = torch.zeros(256, device="cuda"), torch.empty(256, device="cuda")
     cycles_us = sleep_cycles_per_us()
-    conditions = ["idle"] + [f"{k}@{duty:g}" for duty in args.duties for k in ("d2h", "h2d", "both")]
+    # every window queues both streams' sequences (copies or their sleep stand-ins), so every condition makes the
+    # same host calls before its window and keeps the same streams busy: only the PCIe traffic differs
+    kinds = {"none": (), "d2h": ("d2h",), "h2d": ("h2d",), "both": ("d2h", "h2d")}
+    conditions = [f"{k}@{duty:g}" for duty in args.duties for k in kinds]
     host_work(args.units // 4, x, y)
     torch.cuda.synchronize()
     work: dict[str, list[float]] = {c: [] for c in conditions}
@@ -109,12 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     random.Random(args.seed).shuffle(order)
     for i, cond in enumerate(order):
         kind, _, duty = cond.partition("@")
-        spans = []
-        if cond != "idle":
-            for direction in ("d2h", "h2d") if kind == "both" else (kind,):
-                spans.append((direction, *queue_paced(rt, direction, devs[direction], hosts[direction],
-                                                      streams[direction], args.span_ms, float(duty), cycles_us)))
-            time.sleep(0.002)  # let the copies start
+        spans = [(d, *queue_paced(rt, d if d in kinds[kind] else None, devs[d], hosts[d], streams[d], args.span_ms,
+                                  float(duty), cycles_us)) for d in ("d2h", "h2d")]
+        time.sleep(0.002)  # let the copies start
         us = host_work(args.units, x, y)
         ended = any(e.query() for _, _, e, _ in spans)
         torch.cuda.synchronize()
@@ -123,24 +130,25 @@ def main(argv: list[str] | None = None) -> int:
         else:
             work[cond].append(us)
             for direction, start, end, nbytes in spans:
-                rates[cond][direction].append(nbytes / (start.elapsed_time(end) * 1e6))
+                if nbytes:
+                    rates[cond][direction].append(nbytes / (start.elapsed_time(end) * 1e6))
         if (i + 1) % 100 == 0:
             print(f"window {i + 1}/{len(order)}", file=sys.stderr, flush=True)
-    idle = statistics.median(work["idle"])
     rows = {}
-    print(f"{'condition':<12}{'windows':>8}{'us/unit':>10}{'x idle':>8}{'GB/s':>14}{'(x-1)/GBps %':>15}")
+    print(f"{'condition':<12}{'windows':>8}{'us/unit':>10}{'x none':>8}{'GB/s':>14}{'(x-1)/GBps %':>15}")
     for c in conditions:
-        if not work[c]:
-            rows[c] = {"windows": 0, "outlived": outlived[c]}
-            print(f"{c:<12}{0:>8}  (every window outlived its copies: raise --span-ms)")
+        control = work[f"none@{c.partition('@')[2]}"]
+        if not work[c] or not control:
+            rows[c] = {"windows": len(work[c]), "outlived": outlived[c]}
+            print(f"{c:<12}{len(work[c]):>8}  (no windows here or in its control: raise --span-ms)")
             continue
-        med = statistics.median(work[c])
+        med, base = statistics.median(work[c]), statistics.median(control)
         gbps = {d: statistics.median(v) for d, v in rates[c].items() if v}
         total = sum(gbps.values())
-        per = (med / idle - 1) / total * 100 if total else None
-        rows[c] = {"windows": len(work[c]), "outlived": outlived[c], "us_per_unit": med, "ratio_to_idle": med / idle,
+        per = (med / base - 1) / total * 100 if total else None
+        rows[c] = {"windows": len(work[c]), "outlived": outlived[c], "us_per_unit": med, "ratio_to_none": med / base,
                    "GBps": gbps, "slowdown_pct_per_GBps": per}
-        print(f"{c:<12}{len(work[c]):>8}{med:>10.3f}{med / idle:>8.3f}"
+        print(f"{c:<12}{len(work[c]):>8}{med:>10.3f}{med / base:>8.3f}"
               f"{' + '.join(f'{v:.1f}' for v in gbps.values()) or '-':>14}"
               f"{'' if per is None else f'{per:.3f}':>15}")
     if args.out:
