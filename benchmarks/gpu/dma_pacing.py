@@ -7,7 +7,7 @@ memory system's latency does), the same bytes spread over more of the compute ti
 gap on the same stream) would cost less host time in all. If it is linear in the rate, pacing cannot help.
 
 Per condition (``none``, ``d2h``, ``h2d``, ``both`` at each ``--duties`` share of the time copying), many short
-windows alternate in a shuffled order: a paced sequence is queued on each of two side streams (2 MiB raw
+windows alternate in a shuffled order: a paced sequence is queued on each of two side streams (8 MiB raw
 ``cudaMemcpyAsync`` each, then ``torch.cuda._sleep`` for the gap; where a stream carries no traffic in that
 condition, a ``_sleep`` of the copy's duration stands in for each copy, so every window makes the same host calls
 before it and keeps the same streams busy), and the thread then times a unit of host work
@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from mcore_offload.runtime.cudart import DEVICE_TO_HOST, HOST_TO_DEVICE, load_runtime  # noqa: E402
 
-PIECE = 2 << 20  # bytes a copy
+PIECE = 8 << 20  # bytes a copy (~155 µs: few enough queued ops to stay under the launch queue depth)
 LINK_GBPS = 54.0  # what a piece's time is planned from; the achieved rate is measured
 
 
