@@ -14,8 +14,9 @@ before it and keeps the same streams busy), and the thread then times a unit of 
 (``mixed``: a tiny kernel launch plus a little dict and list work, the shape of a launch-bound step's host loop)
 while the sequence runs; a window that outlived its sequence is not counted. Result per condition: the median µs a
 unit, its ratio to ``none`` at the same duty, the copies' achieved GB/s (bytes over the GPU-timed sequence), and
-the slowdown per GB/s: ``(ratio - 1) / GBps``.
-Equal values across duties mean the cost is linear in the rate (per byte).
+the slowdown per GB/s: ``(ratio - 1) / GBps``; then the same against each window's nearest ``none`` windows in time
+(:func:`local_ratios`, the figure to read: the host drifts more than the effect). Equal values across duties mean
+the cost is linear in the rate (per byte).
 
     python3 benchmarks/gpu/dma_pacing.py [--duties 1 0.5 0.25] [--windows 80] [--out dma_pacing.json]
 """
@@ -77,6 +78,29 @@ def queue_paced(rt, direction: str | None, dev: torch.Tensor, host: torch.Tensor
     return start, end, 0 if direction is None else pieces * PIECE
 
 
+def local_ratios(sequence: list[tuple[str, float]], neighbours: int = 4, draws: int = 1000
+                 ) -> dict[str, tuple[float, float, float]]:
+    """Per condition, the median ratio of its windows to the median of the ``neighbours`` nearest ``none`` windows
+    in time, with a bootstrap 95 % interval: (median, low, high).
+
+    Why not one control median per condition: the host's speed drifts by 20-40 % over a run (session 30's first
+    runs: ``none`` windows at different duties, the same work, medians 8.8 and 10.9 µs), far more than the effect,
+    and shuffling leaves each condition's median at the mercy of where its windows fell.
+    """
+    controls = [i for i, (c, _) in enumerate(sequence) if c.startswith("none@")]
+    ratios: dict[str, list[float]] = {}
+    for i, (cond, us) in enumerate(sequence):
+        near = sorted((j for j in controls if j != i), key=lambda j: abs(j - i))[:neighbours]
+        if near:
+            ratios.setdefault(cond, []).append(us / statistics.median(sequence[j][1] for j in near))
+    rng = random.Random(0)
+    out = {}
+    for cond, r in ratios.items():
+        boot = sorted(statistics.median(rng.choices(r, k=len(r))) for _ in range(draws))
+        out[cond] = (statistics.median(r), boot[int(0.025 * draws)], boot[int(0.975 * draws) - 1])
+    return out
+
+
 def host_work(n: int, x: torch.Tensor, y: torch.Tensor) -> float:
     """µs per unit: one tiny launch and a little Python, the shape of a launch-bound step's host loop."""
     t0 = time.perf_counter_ns()
@@ -115,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     work: dict[str, list[float]] = {c: [] for c in conditions}
     rates: dict[str, dict[str, list[float]]] = {c: {"d2h": [], "h2d": []} for c in conditions}
     outlived = {c: 0 for c in conditions}
+    sequence: list[tuple[str, float]] = []  # counted windows in time order, for the time-local ratios
     order = [c for c in conditions for _ in range(args.windows)]
     random.Random(args.seed).shuffle(order)
     for i, cond in enumerate(order):
@@ -129,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             outlived[cond] += 1
         else:
             work[cond].append(us)
+            sequence.append((cond, us))
             for direction, start, end, nbytes in spans:
                 if nbytes:
                     rates[cond][direction].append(nbytes / (start.elapsed_time(end) * 1e6))
@@ -151,10 +177,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{c:<12}{len(work[c]):>8}{med:>10.3f}{med / base:>8.3f}"
               f"{' + '.join(f'{v:.1f}' for v in gbps.values()) or '-':>14}"
               f"{'' if per is None else f'{per:.3f}':>15}")
+    local = local_ratios(sequence)
+    print(f"{'condition':<12}{'x nearest none windows [95 %]':>32}{'GB/s':>14}{'(x-1)/GBps %':>15}")
+    for c in conditions:
+        if c not in local:
+            continue
+        med, lo, hi = local[c]
+        total = sum(rows[c].get("GBps", {}).values())
+        rows[c]["local_ratio"] = [med, lo, hi]
+        rows[c]["local_slowdown_pct_per_GBps"] = (med - 1) / total * 100 if total else None
+        print(f"{c:<12}{f'{med:.3f} [{lo:.3f}, {hi:.3f}]':>32}{total:>14.1f}"
+              f"{'' if not total else f'{(med - 1) / total * 100:.3f}':>15}")
     if args.out:
         Path(args.out).write_text(json.dumps({
             "device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args),
-            "sleep_cycles_per_us": cycles_us, "piece_bytes": PIECE, "conditions": rows, "raw_us": work}, indent=1))
+            "sleep_cycles_per_us": cycles_us, "piece_bytes": PIECE, "conditions": rows, "raw_us": work,
+            "sequence": sequence}, indent=1))
     return 0
 
 
