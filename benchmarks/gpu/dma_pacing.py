@@ -34,7 +34,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from mcore_offload.runtime.cudart import DEVICE_TO_HOST, HOST_TO_DEVICE, load_runtime  # noqa: E402
+from mcore_offload.runtime.cudart import (  # noqa: E402
+    DEVICE_TO_HOST,
+    HOST_ALLOC_WRITE_COMBINED,
+    HOST_TO_DEVICE,
+    load_runtime,
+)
 
 PIECE = 8 << 20  # bytes a copy (~155 µs: few enough queued ops to stay under the launch queue depth)
 LINK_GBPS = 54.0  # what a piece's time is planned from; the achieved rate is measured
@@ -120,13 +125,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--units", type=int, default=1500, help="host work units a window (~15-25 ms)")
     p.add_argument("--span-ms", type=float, default=90.0, help="queued copy sequence per window")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--host-memory", choices=["pinned", "write-combined"], default="pinned",
+                   help="the host buffers: PyTorch's pinned memory, or cudaHostAlloc(cudaHostAllocWriteCombined) "
+                        "(MCORE_OFFLOAD_HOST_MEMORY=write-combined in the runtime)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     assert torch.cuda.is_available(), "needs a GPU"
     rt = load_runtime()
     assert rt is not None, "needs the CUDA runtime PyTorch has mapped (raw copies)"
     devs = {d: torch.empty(256 << 20, dtype=torch.uint8, device="cuda") for d in ("d2h", "h2d")}
-    hosts = {d: torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True) for d in ("d2h", "h2d")}
+    if args.host_memory == "write-combined":
+        hosts = {d: rt.host_tensor(256 << 20, HOST_ALLOC_WRITE_COMBINED) for d in ("d2h", "h2d")}
+    else:
+        hosts = {d: torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True) for d in ("d2h", "h2d")}
     streams = {d: torch.cuda.Stream() for d in ("d2h", "h2d")}
     x, y = torch.zeros(256, device="cuda"), torch.empty(256, device="cuda")
     cycles_us = sleep_cycles_per_us()
