@@ -9,7 +9,7 @@ gap on the same stream) would cost less host time in all. If it is linear in the
 Per condition (``none``, ``d2h``, ``h2d``, ``both`` at each ``--duties`` share of the time copying), many short
 windows alternate in a shuffled order: a paced sequence is queued on each of two side streams (8 MiB raw
 ``cudaMemcpyAsync`` each, then ``torch.cuda._sleep`` for the gap; where a stream carries no traffic in that
-condition, a ``_sleep`` of the copy's duration stands in for each copy, so every window makes the same host calls
+condition, a ``_sleep`` of the copy's duration stands in for each copy, so every window of a duty makes the same calls
 before it and keeps the same streams busy), and the thread then times a unit of host work
 (``mixed``: a tiny kernel launch plus a little dict and list work, the shape of a launch-bound step's host loop)
 while the sequence runs; a window that outlived its sequence is not counted. Result per condition: the median µs a
