@@ -362,7 +362,10 @@ def main(argv=None) -> int:
         if syncs is not None:
             syncs.start_step()
         plain = (args.alternate_offload and not on_steps[-1]) or args.offload_paused or stopped
-        with (native_pause.paused() if native_pause is not None else mcore_offload.paused()) if plain \
+        # under --profile-steps, each step's schedule is a named range (trace_step_ops.py compares on and off)
+        mark = torch.profiler.record_function(f"bench step {step} {'on' if on_steps[-1] else 'off'}") \
+            if prof is not None else contextlib.nullcontext()
+        with mark, (native_pause.paused() if native_pause is not None else mcore_offload.paused()) if plain \
                 else contextlib.nullcontext():
             out = run_schedule(args, chunks, fb, data, forward_only=False)
         if syncs is not None:
