@@ -7,7 +7,10 @@ duration less its children's on the same thread), summed by name; the result is 
 offloaded and in plain steps, sorted by the difference. Session 30 found ours' offloaded C steps issuing ~75 ms
 more host time than plain ones with ~25 ms inside the runtime's hooks: this says where the rest goes.
 
-    python benchmarks/trace_step_ops.py trace_rank0.json[.gz] [--top 30] [--json-out FILE]
+    python benchmarks/trace_step_ops.py trace_rank0.json[.gz] [--skip 1] [--top 30] [--json-out FILE]
+
+Profile enough steps for the noise: each step's range is listed first, and the host's pace drifts by 10-20 % from
+one step to the next on the H100 hosts, so a per-op difference from two steps a side is not a finding.
 """
 
 from __future__ import annotations
@@ -47,11 +50,18 @@ def self_times(events: list[dict]) -> dict[str, float]:
     return out
 
 
-def step_ops(trace: dict) -> dict[int, tuple[bool, dict[str, float]]]:
-    """Per profiled step: (offloaded, self µs by name over every thread inside the step's range)."""
+def step_ranges(trace: dict) -> list[tuple[int, bool, float, float]]:
+    """The profiled steps' ranges: (step, offloaded, start µs, end µs), in step order."""
+    return sorted((int(m.group(1)), m.group(2) == "on", e["ts"], e["ts"] + e["dur"])
+                  for e in trace.get("traceEvents", [])
+                  if e.get("ph") == "X" and "dur" in e and (m := STEP.match(e.get("name", ""))))
+
+
+def step_ops(trace: dict, skip: int = 0) -> dict[int, tuple[bool, dict[str, float]]]:
+    """Per profiled step, the first ``skip`` left out: (offloaded, self µs by name over every thread inside the
+    step's range)."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
-    steps = [(int(m.group(1)), m.group(2) == "on", e["ts"], e["ts"] + e["dur"])
-             for e in events if (m := STEP.match(e.get("name", "")))]
+    steps = step_ranges(trace)[skip:]
     out = {}
     for n, on, start, end in steps:
         by_thread: dict[tuple, list[dict]] = defaultdict(list)
@@ -90,9 +100,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trace")
     p.add_argument("--top", type=int, default=30)
+    p.add_argument("--skip", type=int, default=1,
+                   help="profiled steps to leave out first: the first runs slow under the profiler's start (session "
+                        "30: 762 ms against 470-498 ms for the next three on A), biasing whichever side it is on")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
-    steps = step_ops(load_trace(args.trace))
+    trace = load_trace(args.trace)
+    ranges = step_ranges(trace)
+    for i, (n, on, start, end) in enumerate(ranges):
+        note = "  (left out)" if i < args.skip else ""
+        print(f"step {n} {'on ' if on else 'off'} {(end - start) / 1e3:9.1f} ms{note}")
+    steps = step_ops(trace, args.skip)
     rows = compare(steps)
     on = sum(1 for o, _ in steps.values() if o)
     total = {side: sum(r[f"{side}_ms"] for r in rows) for side in ("on", "off")}
@@ -103,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['name'][:69]:<70}{r['on_ms']:>10.2f}{r['off_ms']:>10.2f}{r['delta_ms']:>+10.2f}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"steps": {n: on for n, (on, _) in steps.items()},
+                                                   "ranges_ms": {n: (end - start) / 1e3 for n, _, start, end in ranges},
+                                                   "left_out": [n for n, *_ in ranges[:args.skip]],
                                                    "total_ms": total, "rows": rows}, indent=1))
     return 0
 

@@ -52,6 +52,9 @@ def test_compare_charges_each_name_its_own_change(tmp_path: Path) -> None:
     assert rows["autograd::engine::evaluate_function: MmBackward0"]["delta_ms"] == pytest.approx(0.050)
     assert rows["cudaMemcpyAsync"]["delta_ms"] == pytest.approx(0.050)
     assert "kernel" not in rows  # GPU events are not host time
+    # --skip leaves out the first profiled steps (the profiler's start slows the first)
+    assert list(tso.step_ops(tso.load_trace(str(path)), skip=1)) == [11]
+    assert [n for n, *_ in tso.step_ranges(tso.load_trace(str(path)))] == [10, 11]
 
 
 def test_one_sided_trace_is_refused() -> None:
@@ -71,6 +74,8 @@ def test_pretrain_gpt_profile_marks_each_step_on_or_off(tmp_path: Path) -> None:
                                             "--profile-dir", str(prof)])
     steps = tso.step_ops(tso.load_trace(str(prof / "trace_rank0.json.gz")))
     assert {n: on for n, (on, _) in steps.items()} == {1: False, 2: True}
+    assert tso.main([str(prof / "trace_rank0.json.gz"), "--skip", "0", "--json-out", str(tmp_path / "o.json")]) == 0
+    assert json.loads((tmp_path / "o.json").read_text())["left_out"] == []
     rows = {r["name"]: r for r in tso.compare(steps)}
     assert rows  # CPU ops were charged to the two steps
     assert any(r["on_ms"] > 0 for r in rows.values()) and any(r["off_ms"] > 0 for r in rows.values())
