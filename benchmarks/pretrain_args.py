@@ -65,7 +65,8 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
       help="record the allocator's history in the step whose peak is reported: where the peak was reached and the "
            "reloaded bytes live then (benchmarks/peak_trace.py); JSON 'peak_trace'")
     a("--profile-steps", type=int, nargs=2, default=None, metavar=("FIRST", "LAST"),
-      help="torch.profiler trace of these steps (inclusive), summarised by trace_analysis.py")
+      help="torch.profiler trace of these steps (inclusive), summarised by trace_analysis.py; each step's schedule "
+           "is the range 'bench step N on|off' (trace_step_ops.py compares offloaded and plain steps)")
     a("--alternate-offload", action="store_true",
       help="every odd step runs without offloading (ours: inside mcore_offload.paused(); native on megatron-core "
            "0.16: its switches off, benchmarks/native_pause.py), so one process times both kinds under the same "
