@@ -36,7 +36,7 @@ def load_trace(path: str) -> dict:
 def self_times(events: list[dict]) -> dict[str, float]:
     """Self time (µs) by name of complete events on one thread: duration less that of the events nested in it."""
     out: dict[str, float] = defaultdict(float)
-    stack: list[list] = []  # [end, name, children's time]
+    stack: list[list] = []  # [end, name, children's time, duration]
     for ev in sorted(events, key=lambda e: (e["ts"], -e["dur"])):
         start, end = ev["ts"], ev["ts"] + ev["dur"]
         while stack and stack[-1][0] <= start:
