@@ -16,6 +16,7 @@ one step to the next on the H100 hosts, so a per-op difference from two steps a 
 from __future__ import annotations
 
 import argparse
+import bisect
 import gzip
 import json
 import re
@@ -33,21 +34,31 @@ def load_trace(path: str) -> dict:
         return json.load(f)
 
 
-def self_times(events: list[dict]) -> dict[str, float]:
-    """Self time (µs) by name of complete events on one thread: duration less that of the events nested in it."""
-    out: dict[str, float] = defaultdict(float)
+def self_stats(events: list[dict]) -> dict[str, list[float]]:
+    """Per name on one thread: [self time µs (duration less that of the events nested in it), calls]."""
+    out: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     stack: list[list] = []  # [end, name, children's time, duration]
+
+    def close(done: list) -> None:
+        row = out[done[1]]
+        row[0] += done[3] - done[2]
+        row[1] += 1
+
     for ev in sorted(events, key=lambda e: (e["ts"], -e["dur"])):
         start, end = ev["ts"], ev["ts"] + ev["dur"]
         while stack and stack[-1][0] <= start:
-            done = stack.pop()
-            out[done[1]] += done[3] - done[2]
+            close(stack.pop())
         if stack:
             stack[-1][2] += ev["dur"]
         stack.append([end, ev["name"], 0.0, ev["dur"]])
     for done in stack:
-        out[done[1]] += done[3] - done[2]
+        close(done)
     return out
+
+
+def self_times(events: list[dict]) -> dict[str, float]:
+    """Self time (µs) by name of complete events on one thread."""
+    return {name: us for name, (us, _) in self_stats(events).items()}
 
 
 def step_ranges(trace: dict) -> list[tuple[int, bool, float, float]]:
@@ -57,42 +68,75 @@ def step_ranges(trace: dict) -> list[tuple[int, bool, float, float]]:
                   if e.get("ph") == "X" and "dur" in e and (m := STEP.match(e.get("name", ""))))
 
 
-def step_ops(trace: dict, skip: int = 0) -> dict[int, tuple[bool, dict[str, float]]]:
-    """Per profiled step, the first ``skip`` left out: (offloaded, self µs by name over every thread inside the
-    step's range)."""
+def step_ops(trace: dict, skip: int = 0) -> dict[int, tuple[bool, dict[str, float], dict[str, int]]]:
+    """Per profiled step, the first ``skip`` left out: (offloaded, self µs by name, calls by name), over every thread
+    inside the step's range."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
     steps = step_ranges(trace)[skip:]
+    starts = [start for _, _, start, _ in steps]
+    # one pass over the trace (a profiled step of A holds ~10^5 events): each CPU event to the step it starts in
+    inside: list[dict[tuple, list[dict]]] = [defaultdict(list) for _ in steps]
+    for e in events:
+        if e.get("cat") not in CPU_CATS or STEP.match(e.get("name", "")):
+            continue
+        i = bisect.bisect_right(starts, e["ts"]) - 1
+        if i >= 0 and e["ts"] + e["dur"] <= steps[i][3]:
+            inside[i][(e.get("pid"), e.get("tid"))].append(e)
     out = {}
-    for n, on, start, end in steps:
-        by_thread: dict[tuple, list[dict]] = defaultdict(list)
-        for e in events:
-            if e.get("cat") in CPU_CATS and start <= e["ts"] and e["ts"] + e["dur"] <= end \
-                    and not STEP.match(e.get("name", "")):
-                by_thread[(e.get("pid"), e.get("tid"))].append(e)
+    for (n, on, _, _), by_thread in zip(steps, inside):
         totals: dict[str, float] = defaultdict(float)
+        calls: dict[str, int] = defaultdict(int)
         for evs in by_thread.values():
-            for name, us in self_times(evs).items():
+            for name, (us, count) in self_stats(evs).items():
                 totals[name] += us
-        out[n] = (on, dict(totals))
+                calls[name] += count
+        out[n] = (on, dict(totals), dict(calls))
     return out
 
 
-def compare(steps: dict[int, tuple[bool, dict[str, float]]]) -> list[dict]:
-    """Per name: mean self ms per offloaded and per plain step, and the difference; largest difference first."""
-    sides: dict[bool, list[dict[str, float]]] = {True: [], False: []}
-    for on, ops in steps.values():
-        sides[on].append(ops)
+def _neighbour_deltas(steps: dict, name: str) -> list[float]:
+    """Per offloaded step: its self ms for ``name`` less the mean of the plain steps next to it (the step before and
+    the step after, where profiled): the host drifts over a run, so each offloaded step is read against its own
+    neighbours in time."""
+    order = sorted(steps)
+    out = []
+    for i, n in enumerate(order):
+        if not steps[n][0]:
+            continue
+        near = [steps[m][1].get(name, 0.0) for m in order[max(i - 1, 0):i + 2] if not steps[m][0]]
+        if near:
+            out.append((steps[n][1].get(name, 0.0) - sum(near) / len(near)) / 1e3)
+    return out
+
+
+def compare(steps: dict[int, tuple[bool, dict[str, float], dict[str, int]]]) -> list[dict]:
+    """Per name: mean self ms and calls per offloaded and per plain step, and the difference, split into the part its
+    extra calls explain (at the plain steps' time per call) and the rest (``slower_ms``: the same calls taking longer);
+    the neighbour-paired median difference and in how many offloaded steps it was positive. Largest difference first.
+    """
+    sides: dict[bool, list[tuple[dict[str, float], dict[str, int]]]] = {True: [], False: []}
+    for on, ops, calls in steps.values():
+        sides[on].append((ops, calls))
     if not sides[True] or not sides[False]:
         raise SystemExit("the trace needs offloaded and plain steps (profile at least two steps of an alternating "
                          "run)")
-    names = set().union(*sides[True], *sides[False])
+    names = set().union(*(ops for ops, _ in sides[True] + sides[False]))
 
-    def mean(side: bool, name: str) -> float:
-        return sum(s.get(name, 0.0) for s in sides[side]) / len(sides[side]) / 1e3
+    def mean(side: bool, name: str, k: int) -> float:
+        return sum(s[k].get(name, 0) for s in sides[side]) / len(sides[side])
 
-    rows = [{"name": n, "on_ms": mean(True, n), "off_ms": mean(False, n)} for n in names]
-    for r in rows:
-        r["delta_ms"] = r["on_ms"] - r["off_ms"]
+    rows = []
+    for n in names:
+        on_ms, off_ms = mean(True, n, 0) / 1e3, mean(False, n, 0) / 1e3
+        on_calls, off_calls = mean(True, n, 1), mean(False, n, 1)
+        per_call = off_ms / off_calls if off_calls else (on_ms / on_calls if on_calls else 0.0)
+        extra = (on_calls - off_calls) * per_call
+        paired = sorted(_neighbour_deltas(steps, n))
+        rows.append({"name": n, "on_ms": on_ms, "off_ms": off_ms, "delta_ms": on_ms - off_ms,
+                     "on_calls": on_calls, "off_calls": off_calls, "extra_calls_ms": extra,
+                     "slower_ms": on_ms - off_ms - extra,
+                     "paired_median_ms": paired[len(paired) // 2] if paired else None,
+                     "paired_positive": f"{sum(d > 0 for d in paired)}/{len(paired)}"})
     return sorted(rows, key=lambda r: -abs(r["delta_ms"]))
 
 
@@ -112,15 +156,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"step {n} {'on ' if on else 'off'} {(end - start) / 1e3:9.1f} ms{note}")
     steps = step_ops(trace, args.skip)
     rows = compare(steps)
-    on = sum(1 for o, _ in steps.values() if o)
+    on = sum(1 for o, *_ in steps.values() if o)
     total = {side: sum(r[f"{side}_ms"] for r in rows) for side in ("on", "off")}
     print(f"{on} offloaded and {len(steps) - on} plain steps; self CPU ms a step, all threads: "
           f"{total['on']:.1f} offloaded, {total['off']:.1f} plain")
-    print(f"{'name':<70}{'on ms':>10}{'off ms':>10}{'delta':>10}")
+    extra = sum(r["extra_calls_ms"] for r in rows)
+    print(f"difference {total['on'] - total['off']:+.1f} ms: {extra:+.1f} ms in extra calls (at the plain steps' time "
+          f"per call), {total['on'] - total['off'] - extra:+.1f} ms in the same calls running longer")
+    print(f"{'name':<60}{'on ms':>9}{'off ms':>9}{'delta':>9}{'calls +':>9}{'slower':>9}{'paired':>9}{'>0':>7}")
     for r in rows[:args.top]:
-        print(f"{r['name'][:69]:<70}{r['on_ms']:>10.2f}{r['off_ms']:>10.2f}{r['delta_ms']:>+10.2f}")
+        med = r["paired_median_ms"]
+        print(f"{r['name'][:59]:<60}{r['on_ms']:>9.2f}{r['off_ms']:>9.2f}{r['delta_ms']:>+9.2f}"
+              f"{r['on_calls'] - r['off_calls']:>+9.0f}{r['slower_ms']:>+9.2f}"
+              f"{med if med is not None else float('nan'):>+9.2f}{r['paired_positive']:>7}")
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"steps": {n: on for n, (on, _) in steps.items()},
+        Path(args.json_out).write_text(json.dumps({"steps": {n: on for n, (on, *_) in steps.items()},
                                                    "ranges_ms": {n: (end - start) / 1e3 for n, _, start, end in ranges},
                                                    "left_out": [n for n, *_ in ranges[:args.skip]],
                                                    "total_ms": total, "rows": rows}, indent=1))

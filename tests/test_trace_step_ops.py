@@ -45,16 +45,42 @@ def test_compare_charges_each_name_its_own_change(tmp_path: Path) -> None:
     with gzip.open(path, "wt") as f:
         json.dump(trace(), f)
     steps = tso.step_ops(tso.load_trace(str(path)))
-    assert {n: on for n, (on, _) in steps.items()} == {10: True, 11: False}
+    assert {n: on for n, (on, *_) in steps.items()} == {10: True, 11: False}
     rows = {r["name"]: r for r in tso.compare(steps)}
     assert rows["aten::linear"]["delta_ms"] == pytest.approx(0.0)  # the op outside the steps is not counted
     assert rows["aten::linear"]["on_ms"] == pytest.approx(0.070)  # 100 less its 30 µs launch
     assert rows["autograd::engine::evaluate_function: MmBackward0"]["delta_ms"] == pytest.approx(0.050)
     assert rows["cudaMemcpyAsync"]["delta_ms"] == pytest.approx(0.050)
+    # the backward op ran once in each step and took longer: slower, not more calls; the copy is an extra call
+    mm = rows["autograd::engine::evaluate_function: MmBackward0"]
+    assert (mm["on_calls"], mm["off_calls"]) == (1, 1)
+    assert mm["slower_ms"] == pytest.approx(0.050) and mm["extra_calls_ms"] == pytest.approx(0.0)
+    assert rows["cudaMemcpyAsync"]["extra_calls_ms"] == pytest.approx(0.050)
+    assert rows["cudaMemcpyAsync"]["slower_ms"] == pytest.approx(0.0)
     assert "kernel" not in rows  # GPU events are not host time
     # --skip leaves out the first profiled steps (the profiler's start slows the first)
     assert list(tso.step_ops(tso.load_trace(str(path)), skip=1)) == [11]
     assert [n for n, *_ in tso.step_ranges(tso.load_trace(str(path)))] == [10, 11]
+
+
+def test_self_stats_counts_calls() -> None:
+    out = tso.self_stats([ev("a", 0, 100), ev("b", 10, 30), ev("b", 50, 20)])
+    assert out["a"] == [50, 1] and out["b"] == [50, 2]
+
+
+def test_paired_delta_reads_each_offloaded_step_against_its_neighbours() -> None:
+    # the host slows late in the run (the last plain step 400 µs): the means differ by 25 µs, but every offloaded
+    # step is 50 µs over the mean of the plain steps beside it
+    evs, t0 = [], 0.0
+    for n, us in enumerate((100, 150, 100, 300, 400)):
+        on = n % 2 == 1
+        evs.append(ev(f"bench step {n} {'on' if on else 'off'}", t0, 1000, cat="user_annotation"))
+        evs.append(ev("op", t0 + 1, us))
+        t0 += 2000
+    rows = {r["name"]: r for r in tso.compare(tso.step_ops({"traceEvents": evs}))}
+    assert rows["op"]["delta_ms"] == pytest.approx(0.025)
+    assert rows["op"]["paired_median_ms"] == pytest.approx(0.050)
+    assert rows["op"]["paired_positive"] == "2/2"
 
 
 def test_one_sided_trace_is_refused() -> None:
@@ -73,7 +99,7 @@ def test_pretrain_gpt_profile_marks_each_step_on_or_off(tmp_path: Path) -> None:
                                             "--alternate-offload", "--profile-steps", "1", "2",
                                             "--profile-dir", str(prof)])
     steps = tso.step_ops(tso.load_trace(str(prof / "trace_rank0.json.gz")))
-    assert {n: on for n, (on, _) in steps.items()} == {1: False, 2: True}
+    assert {n: on for n, (on, *_) in steps.items()} == {1: False, 2: True}
     assert tso.main([str(prof / "trace_rank0.json.gz"), "--skip", "0", "--json-out", str(tmp_path / "o.json")]) == 0
     assert json.loads((tmp_path / "o.json").read_text())["left_out"] == []
     rows = {r["name"]: r for r in tso.compare(steps)}
