@@ -65,7 +65,9 @@ def step_ranges(trace: dict) -> list[tuple[int, bool, float, float]]:
     """The profiled steps' ranges: (step, offloaded, start µs, end µs), in step order."""
     return sorted((int(m.group(1)), m.group(2) == "on", e["ts"], e["ts"] + e["dur"])
                   for e in trace.get("traceEvents", [])
-                  if e.get("ph") == "X" and "dur" in e and (m := STEP.match(e.get("name", ""))))
+                  # the host's range only: the profiler repeats a range on each GPU stream its kernels ran on
+                  if e.get("ph") == "X" and "dur" in e and e.get("cat") == "user_annotation"
+                  and (m := STEP.match(e.get("name", ""))))
 
 
 def step_ops(trace: dict, skip: int = 0) -> dict[int, tuple[bool, dict[str, float], dict[str, int]]]:

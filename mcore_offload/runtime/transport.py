@@ -395,7 +395,8 @@ class RawCudaTransport(CoalescedReloads, CudaTransport):
         elif self.native is not None:
             out = self.native.empty_storages(sizes, self.device_index)
         else:
-            out = [torch.empty(n, dtype=torch.uint8, device=device).untyped_storage() for n in sizes]
+            # a storage, not torch.empty: no deterministic-mode fill of memory the copy overwrites (common.h)
+            out = [torch.UntypedStorage(n, device=device) for n in sizes]
         fence = self._h2d_fence.handle
         # The new blocks may be memory the compute stream has just freed and still reads.
         err = record(fence, self._compute_handle()) or stream_wait(h2d, fence, 0)

@@ -8,6 +8,7 @@
 #include <structmember.h>
 
 #include <ATen/ops/empty.h>
+#include <c10/core/DeviceGuard.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/Exceptions.h>
@@ -18,6 +19,15 @@
 #include <vector>
 
 namespace mco {
+
+// Storage and view construction that skips what at::empty adds under torch.use_deterministic_algorithms(True): a fill
+// of every new tensor (NaN, or an integer's largest value) on the current stream. Megatron runs that want bitwise
+// reproducibility turn that mode on, and there every reload allocation paid a fill kernel launch (session 31's
+// profile: one per reloaded storage, 356 a step on config A's attention set) and every rebuilt view a fill call, for
+// memory the reload copy overwrites whole (or, for a view, none at all). See module.cpp.
+c10::Storage fresh_storage(int64_t nbytes, c10::Device device);
+at::Tensor view_of(const c10::Storage& storage, at::ScalarType dtype, int64_t offset, c10::IntArrayRef sizes,
+                   c10::IntArrayRef strides);
 
 // set once by init(): torch.Tensor and torch.nn.Parameter (exact-type checks, as the Python hooks make)
 extern PyObject* g_tensor_type;

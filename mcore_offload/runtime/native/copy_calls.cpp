@@ -56,7 +56,7 @@ PyObject* module_copy_burst(PyObject*, PyObject* args) {
 }
 
 // empty_storages(sizes, device_index): one fresh byte storage per size on that CUDA device (-1: the CPU), from the
-// caching allocator on the current stream: RawCudaTransport.to_device's torch.empty + untyped_storage per reload
+// caching allocator on the current stream, unfilled: RawCudaTransport.to_device's reload allocations
 PyObject* module_empty_storages(PyObject*, PyObject* args) {
   HANDLE_TH_ERRORS
   PyObject* sizes;
@@ -64,8 +64,8 @@ PyObject* module_empty_storages(PyObject*, PyObject* args) {
   if (!PyArg_ParseTuple(args, "Oi", &sizes, &device_index)) return nullptr;
   PyObject* seq = PySequence_Fast(sizes, "empty_storages takes a list of sizes");
   if (seq == nullptr) return nullptr;
-  at::TensorOptions options = at::TensorOptions().dtype(at::kByte).device(
-      device_index < 0 ? c10::Device(c10::kCPU) : c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device_index)));
+  c10::Device device = device_index < 0 ? c10::Device(c10::kCPU)
+                                        : c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device_index));
   Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
   PyObject* out = PyList_New(n);
   for (Py_ssize_t i = 0; out != nullptr && i < n; ++i) {
@@ -74,7 +74,7 @@ PyObject* module_empty_storages(PyObject*, PyObject* args) {
       Py_CLEAR(out);
       break;
     }
-    PyObject* st = THPStorage_Wrap(at::empty({bytes}, options).storage());
+    PyObject* st = THPStorage_Wrap(fresh_storage(bytes, device));  // no deterministic-mode fill: see common.h
     if (st == nullptr) {
       Py_CLEAR(out);
       break;

@@ -349,9 +349,7 @@ PyObject* rebuild_view(SavedRef* ref, PyObject* device_storage) {
   }
   const c10::Storage& storage = THPStorage_Unpack(device_storage);
   at::ScalarType dtype = reinterpret_cast<THPDtype*>(ref->dtype)->scalar_type;
-  at::Tensor view = at::empty({0}, at::TensorOptions().dtype(dtype).device(storage.device()));
-  view.set_(storage, offset, sizes, strides);
-  return THPVariable_Wrap(std::move(view));
+  return THPVariable_Wrap(view_of(storage, dtype, offset, sizes, strides));
 }
 
 PyObject* unpacker_unpack(Unpacker* self, PyObject* tag) {

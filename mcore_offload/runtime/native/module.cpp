@@ -4,6 +4,8 @@
 
 #include "common.h"
 
+#include <atomic>
+
 namespace mco {
 
 // set once by init(): torch.Tensor and torch.nn.Parameter (exact-type checks, as the Python hooks make)
@@ -63,6 +65,62 @@ PyObject* lookup_attr(PyObject* obj, PyObject* name) {
     return Py_None;
   }
   return out;
+}
+
+// ------------------------------------------------------------------------------- storages and views without a fill
+namespace {
+
+// The allocator at::empty uses on the CPU and on CUDA (the caching allocator, one object for every device), read
+// from a storage at::empty made, once: storages made through it come from where at::empty's would (the current
+// device and stream, the active memory pool), only without the deterministic-mode fill. A cache of a process-wide
+// fact PyTorch fixes at the first allocation (a pluggable allocator must be chosen before it), so no reset.
+std::atomic<c10::Allocator*> g_allocators[2];
+
+c10::Allocator* allocator_for(c10::Device device) {
+  std::atomic<c10::Allocator*>& slot = g_allocators[device.is_cuda() ? 1 : 0];
+  c10::Allocator* allocator = slot.load(std::memory_order_acquire);
+  if (allocator == nullptr) {
+    allocator = at::empty({0}, at::TensorOptions().dtype(at::kByte).device(device)).storage().allocator();
+    slot.store(allocator, std::memory_order_release);
+  }
+  return allocator;
+}
+
+}  // namespace
+
+c10::Storage fresh_storage(int64_t nbytes, c10::Device device) {
+  TORCH_CHECK(nbytes >= 0, "mcore-offload: a reload of ", nbytes, " bytes; this is a bug, please report it");
+  c10::Allocator* allocator = (device.is_cpu() || device.is_cuda()) ? allocator_for(device) : nullptr;
+  if (allocator == nullptr) {  // another device type, or a storage with no allocator: at::empty, fill and all
+    return at::empty({nbytes}, at::TensorOptions().dtype(at::kByte).device(device)).storage();
+  }
+  c10::DeviceGuard guard(device);  // the caching allocator allocates on the current device
+  return c10::Storage(c10::Storage::use_byte_size_t(), nbytes, allocator, /*resizable=*/true);
+}
+
+at::Tensor view_of(const c10::Storage& storage, at::ScalarType dtype, int64_t offset, c10::IntArrayRef sizes,
+                   c10::IntArrayRef strides) {
+  // the bounds check Tensor.set_ makes: the view must lie inside the storage
+  TORCH_CHECK(sizes.size() == strides.size() && offset >= 0,
+              "mcore-offload: a saved view's layout is inconsistent; this is a bug, please report it");
+  int64_t last = offset;
+  bool empty = false;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    TORCH_CHECK(sizes[i] >= 0 && strides[i] >= 0,
+                "mcore-offload: a saved view with a negative size or stride; this is a bug, please report it");
+    if (sizes[i] == 0) empty = true;
+    else last += (sizes[i] - 1) * strides[i];
+  }
+  const int64_t itemsize = static_cast<int64_t>(c10::elementSize(dtype));
+  TORCH_CHECK(empty || (last + 1) * itemsize <= static_cast<int64_t>(storage.nbytes()),
+              "mcore-offload: a saved view reaches byte ", (last + 1) * itemsize, " of a reloaded storage of ",
+              storage.nbytes(), "; this is a bug, please report it with the model configuration");
+  // what at::empty builds, on this storage: a strided tensor of this dtype on the storage's device
+  at::Tensor view = at::detail::make_tensor<c10::TensorImpl>(
+      c10::Storage(storage), c10::DispatchKeySet(c10::computeDispatchKey(dtype, c10::kStrided, storage.device())),
+      c10::scalarTypeToTypeMeta(dtype));
+  view.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides, offset);
+  return view;
 }
 
 // ------------------------------------------------------------------------------------------------------ module
