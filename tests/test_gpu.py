@@ -93,6 +93,34 @@ def test_cuda_bitwise_equal_pinned_pool_warm_after_step_0_and_telemetry(monkeypa
     assert summary.host_resident_bytes == 0
 
 
+@pytest.mark.parametrize("hooks", ["1", "0"], ids=["cpp", "python"])
+def test_deterministic_mode_bitwise_equal_and_reloads_launch_no_fill(monkeypatch, hooks):
+    """Under torch.use_deterministic_algorithms(True) torch.empty fills every new tensor with a kernel; the reloads
+    must not (session 31: one fill per reloaded storage), and the result must not move."""
+    monkeypatch.setenv("MCORE_OFFLOAD_NATIVE", hooks)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)  # as pretrain_gpt.py --deterministic
+    try:
+        base = cuda_run([], steps=3)
+        names = ["qkv_linear", "core_attn", "attn_proj"]
+        got = cuda_run(names, steps=3)
+        assert all(same(a, b) for a, b in zip(base, got))
+        # the reload path itself, under the profiler: no fill (torch.empty here would make one per storage)
+        transport = next(iter(_TRANSPORTS.values()))
+        assert (transport.native is not None) == (hooks == "1")
+        sizes = [3 * MiB + 5, MiB]
+        hosts = [torch.randint(0, 256, (n,), dtype=torch.uint8).pin_memory() for n in sizes]
+        device = torch.device("cuda", torch.cuda.current_device())
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            storages, _ = transport.to_device(hosts, sizes, [None, None], device)
+        torch.cuda.synchronize()
+        assert [e.name for e in prof.events() if e.name in ("aten::fill_", "aten::empty")] == []
+        for storage, host in zip(storages, hosts):
+            assert torch.equal(torch.empty(0, dtype=torch.uint8, device=device).set_(storage).cpu(), host)
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
 @pytest.mark.parametrize("kind", ["aligned", "high-priority"])
 def test_cuda_side_stream_kinds_are_bitwise_equal(monkeypatch, kind):
     monkeypatch.setenv("MCORE_OFFLOAD_SIDE_STREAMS", kind)
