@@ -3,7 +3,8 @@
 With the deterministic mode on, ``torch.empty`` fills every new tensor (one fill kernel on the current stream);
 Megatron's bitwise-reproducible runs turn the mode on, and so do this project's benchmarks (``--deterministic``).
 Session 31's profile of config A showed one fill per reloaded storage. This probe times, per allocation of a reload's
-size, the host time and the GPU time a round of allocations adds to the compute stream, for: ``torch.empty`` with
+size, the host time and the GPU time a round of allocations adds to the compute stream (its fill kernels, timed
+behind a GPU sleep so the host loop is not in it), for: ``torch.empty`` with
 the mode on (what the runtime did), ``torch.empty`` with it off, ``torch.UntypedStorage`` (the Python reload path
 now) and the C++ runtime's ``empty_storages`` (its reload path now). GPU host, torch only plus the C++ runtime
 (~30 s):
@@ -35,6 +36,8 @@ def main() -> int:
                    help="reload sizes, cycled (A's attention set reloads storages of a few to a few tens of MiB)")
     p.add_argument("--count", type=int, default=356, help="allocations a round (A's attention set: 356 a step)")
     p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--sleep-cycles", type=int, default=100_000_000,
+                   help="GPU sleep queued before each round (~50 ms on an H100), longer than the round's host time")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     device = torch.device("cuda", torch.cuda.current_device())
@@ -60,7 +63,10 @@ def main() -> int:
         host_us, gpu_us = [], []
         for r in range(args.rounds + 2):  # two warm-up rounds: the caching allocator holds the blocks after them
             torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            pre, start, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+            # the GPU sleeps while the host allocates, so the events time the queued fills alone, not the host loop
+            pre.record()
+            torch.cuda._sleep(args.sleep_cycles)
             start.record()
             t0 = time.perf_counter()
             out = make()
@@ -69,6 +75,8 @@ def main() -> int:
             torch.cuda.synchronize()
             del out
             if r >= 2:
+                if (t1 - t0) * 1e3 >= pre.elapsed_time(start):
+                    print(f"{name}: the host loop outlasted the GPU sleep; raise --sleep-cycles", flush=True)
                 host_us.append((t1 - t0) * 1e6 / args.count)
                 gpu_us.append(start.elapsed_time(end) * 1e3 / args.count)
         results[name] = {"host_us_per_alloc": statistics.median(host_us), "gpu_us_per_alloc": statistics.median(gpu_us),
