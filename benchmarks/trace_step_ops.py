@@ -56,11 +56,6 @@ def self_stats(events: list[dict]) -> dict[str, list[float]]:
     return out
 
 
-def self_times(events: list[dict]) -> dict[str, float]:
-    """Self time (µs) by name of complete events on one thread."""
-    return {name: us for name, (us, _) in self_stats(events).items()}
-
-
 def step_ranges(trace: dict) -> list[tuple[int, bool, float, float]]:
     """The profiled steps' ranges: (step, offloaded, start µs, end µs), in step order."""
     return sorted((int(m.group(1)), m.group(2) == "on", e["ts"], e["ts"] + e["dur"])
