@@ -8,7 +8,15 @@ import pytest
 
 from mcore_offload.config import validate_offload_modules
 from mcore_offload.runtime.auto import PROBE_STEPS, AutoPlanner, ChunkMarks, parse_auto
-from mcore_offload.runtime.auto_choice import HOST_BUDGET, JOINED_UNIT_COST, ChunkProfile, HostCost, choose, host_cost
+from mcore_offload.runtime.auto_choice import (
+    HOST_BUDGET,
+    JOINED_UNIT_COST,
+    TRAFFIC_SHARE_PER_GIB,
+    ChunkProfile,
+    HostCost,
+    choose,
+    host_cost,
+)
 from mcore_offload.runtime.manager import get_manager, reset
 from mcore_offload.summary import get_summary
 from tests.harness.gpt import build_dense_gpt, init_parallel, run_steps
@@ -181,6 +189,27 @@ def test_host_cost_shares_the_probe_host_time_over_groups_and_leaves_out_its_own
     unchained = host_cost(6.0, 500.0, 1.0, {None: 1}, units, chaining=False)
     assert unchained.group_ms == pytest.approx(2.0) and unchained.unit_ms(None, QKV, joined=True) == 2.0
     assert host_cost(6.0, 500.0, None, {None: 1}, units) is None  # no device clock: not measured
+
+
+def test_the_bytes_a_unit_moves_cost_step_time_of_their_own_where_the_step_is_launch_bound():
+    """The link traffic alone cost 0.8-1.5 % of an H100 step per GiB moved (sessions 16-17), beyond the runtime's host
+    time: the plan counts it, so a unit that moves more costs more, and a budget that the groups alone would fit can
+    leave a layer out."""
+    units = {None: {(1, CA)}}
+    hc = host_cost(runtime_ms=4.0, wall_ms=504.0, exposure=0.5, microbatches={None: 4}, unit_layers=units)
+    plain_ms = 504.0 - 0.5 * 4.0
+    assert hc.gib_ms == pytest.approx(0.5 * TRAFFIC_SHARE_PER_GIB * plain_ms)
+    group_only = hc.unit_ms(None, CA, joined=False)
+    assert hc.unit_ms(None, CA, joined=False, nbytes=2**30) == pytest.approx(group_only + 4 * hc.gib_ms)
+    assert hc.unit_ms(None, CA, joined=False, nbytes=2**29) < hc.unit_ms(None, CA, joined=False, nbytes=2**30)
+    # 4 layers of 128 MiB a microbatch, 4 microbatches: 0.5 GiB a step each; 1 ms per group and microbatch
+    prof = profile(4, 5.0, {CA: 128 * MiB})
+    free_bytes = HostCost(exposure=1.0, group_ms=1.0, budget_ms=12.0, microbatches={None: 4})
+    priced = HostCost(exposure=1.0, group_ms=1.0, budget_ms=12.0, microbatches={None: 4}, gib_ms=4.0)
+    assert len([v for v in choose({None: prof}, 1000.0, host=free_bytes).points.values() if v]) == 3  # 4 ms each
+    plan = choose({None: prof}, 1000.0, host=priced)  # 4 + 0.5 GiB x 4 ms = 6 ms each: two fit
+    assert len([v for v in plan.points.values() if v]) == 2
+    assert plan.host_ms == pytest.approx(12.0) and "4.0 ms per GiB moved" in plan.describe()
 
 
 class _Mark:

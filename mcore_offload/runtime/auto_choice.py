@@ -22,6 +22,12 @@ HOST_BUDGET = 0.015
 #: a group of its own: its saved tensors and storages cost, the group's nodes, events and bursts do not
 #: (measured on A: core_attn 0.52 ms per group, the chained attention set 0.74 ms).
 JOINED_UNIT_COST = 0.4
+#: Share of the plain step that moving 1 GiB out and back in a step costs by itself where the step is launch-bound
+#: (exposure 1), beyond the runtime's own host time: the host thread runs slower while reloads stream in, whoever
+#: issues them. The link traffic alone (no runtime, the copies' own calls taken out) measured 0.8-1.5 % per GiB on
+#: the H100 host (sessions 16-17: A core_attn, A attention set, C experts, C all five); on C the runtime's host
+#: time alone explained 40 % of all five's overhead and the plan overshot the 2 % (session 16).
+TRAFFIC_SHARE_PER_GIB = 0.01
 #: Units whose points chain into one group when both are chosen in a layer (runtime/points.py, CHAIN_NEXT).
 FAMILY: dict[tuple[str, ...], str] = {("qkv_linear",): "attention", ("core_attn", "attn_proj"): "attention",
                                       ("expert_fc1",): "experts", ("moe_act",): "experts"}
@@ -58,11 +64,14 @@ class HostCost:
     budget_ms: float  # exposed host time per step the plan may spend
     microbatches: dict[Any, int]  # forwards per step of each chunk
     chaining: bool = True  # units of one family share a group (MCORE_OFFLOAD_CHAIN_POINTS)
+    gib_ms: float = 0.0  # exposed step time per GiB a step moves out and back in (TRAFFIC_SHARE_PER_GIB)
 
-    def unit_ms(self, vp: Any, unit: tuple[str, ...], joined: bool) -> float:
-        """Exposed host time per step of offloading ``unit`` in one layer of chunk ``vp``."""
+    def unit_ms(self, vp: Any, unit: tuple[str, ...], joined: bool, nbytes: int = 0) -> float:
+        """Exposed host time per step of offloading ``unit`` in one layer of chunk ``vp`` (``nbytes``: what it moves
+        in one microbatch; 0 for a kept unit, which never copies)."""
         share = JOINED_UNIT_COST if joined and self.chaining else 1.0
-        return self.exposure * self.group_ms * share * self.microbatches.get(vp, 1)
+        mb = self.microbatches.get(vp, 1)
+        return self.exposure * self.group_ms * share * mb + self.gib_ms * nbytes * mb / 2**30
 
 
 def _family(unit: tuple[str, ...]) -> str:
@@ -87,7 +96,8 @@ def host_cost(runtime_ms: float, wall_ms: float, exposure: float | None, microba
                                                 for n in per_layer.values())
     group_ms = runtime_ms / groups if groups else 0.0
     plain_ms = max(wall_ms - exposure * runtime_ms, 0.0)
-    return HostCost(exposure, group_ms, HOST_BUDGET * plain_ms, dict(microbatches), chaining)
+    return HostCost(exposure, group_ms, HOST_BUDGET * plain_ms, dict(microbatches), chaining,
+                    gib_ms=exposure * TRAFFIC_SHARE_PER_GIB * plain_ms)
 
 
 @dataclass
@@ -113,7 +123,8 @@ class Plan:
         chunks = "; ".join(f"chunk {vp}: {' '.join(v)}" for vp, v in by_chunk.items()) or "nothing"
         host = "" if self.host is None else (
             f", host time {self.host_ms:.1f} of {self.host.budget_ms:.1f} ms/step budget (exposure "
-            f"{self.host.exposure:.2f}, {self.host.group_ms:.2f} ms per group)")
+            f"{self.host.exposure:.2f}, {self.host.group_ms:.2f} ms per group, {self.host.gib_ms:.1f} ms per GiB "
+            "moved)")
         return (f"{chunks} | expected peak saving {self.expected_saving_bytes / 2**30:.2f} GiB, link "
                 f"{self.link_GBps:.1f} GB/s{host}, copies {'hidden' if self.hidden else 'partly exposed'}"
                 + (f" ({self.note})" if self.note else ""))
@@ -152,9 +163,9 @@ def _host_ms(host: HostCost | None, picked: list, profiles: dict[Any, ChunkProfi
         return 0.0
     seen: set[tuple[Any, int, str]] = set()
     total = _kept_ms(host, profiles)
-    for _, vp, layer, unit in picked:
+    for nbytes, vp, layer, unit in picked:
         key = (vp, layer, _family(unit))
-        total += host.unit_ms(vp, unit, joined=key in seen)
+        total += host.unit_ms(vp, unit, joined=key in seen, nbytes=nbytes)
         seen.add(key)
     return total
 
@@ -179,8 +190,9 @@ def choose(profiles: dict[Any, ChunkProfile], link_GBps: float, need_bytes: int 
     exposed: list[tuple[int, Any, int, tuple[str, ...]]] = []
 
     def cost(item: tuple) -> float:
-        _, vp, layer, unit = item
-        return 0.0 if host is None else host.unit_ms(vp, unit, joined=(vp, layer, _family(unit)) in families)
+        nbytes, vp, layer, unit = item
+        return 0.0 if host is None else host.unit_ms(vp, unit, joined=(vp, layer, _family(unit)) in families,
+                                                     nbytes=nbytes)
 
     def value(item: tuple) -> int:
         nbytes, vp, layer, unit = item
