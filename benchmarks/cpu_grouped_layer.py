@@ -7,10 +7,13 @@ pattern of TEGroupedMLP. ``--pattern attention``: one ``core_attn`` point per la
 attention (A's ``core_attn``). Steps with offloading on and off alternate in one process; the result is the median
 paired difference per layer and microbatch. CPU copies are memcpy, so this measures the runtime's Python and
 bookkeeping, not a GPU step. ``--paused``: the offloading steps run inside ``mcore_offload.paused()``, so the
-difference is what the points cost a step that offloads nothing (``pretrain_gpt.py``'s plain steps):
+difference is what the points cost a step that offloads nothing (``pretrain_gpt.py``'s plain steps).
+``--stub-cuda``: the transport is the GPU's (``RawCudaTransport``: pinned-pool bookkeeping, events, fences, the C++
+copy loop) over ``cpu_transport_glue.py``'s stub CUDA runtime, whose calls return at once, so the figure is the
+runtime's host time on the GPU's code path less the CUDA calls themselves (needs a C compiler):
 
     python benchmarks/cpu_grouped_layer.py [--pattern attention] [--pairs 400] [--experts 16] [--paused]
-        [--json-out FILE]
+        [--stub-cuda] [--json-out FILE]
 """
 
 from __future__ import annotations
@@ -119,6 +122,21 @@ def build_pattern(pattern: str, layers: int, experts: int) -> tuple[torch.nn.Mod
     return AttentionChunk(layers, 16), torch.randn(64, 16, requires_grad=True), ["core_attn"]
 
 
+def install_stub_transport() -> None:
+    """Make the CPU device's transport the GPU's raw one over the stub CUDA runtime (``--stub-cuda``)."""
+    import tempfile
+
+    import cpu_transport_glue
+
+    from mcore_offload.runtime import transport as transport_module
+
+    if cpu_transport_glue.compiler() is None:
+        raise SystemExit("--stub-cuda needs a C compiler (cc or gcc) for the stub CUDA runtime: install one")
+    rt = cpu_transport_glue.stub_runtime(Path(tempfile.mkdtemp(prefix="stub_cuda_")))
+    transport_module._TRANSPORTS[torch.device("cpu")] = cpu_transport_glue.stub_transport(rt, device_index=-1,
+                                                                                           native=True)
+
+
 def points_config(modules: list[str], on: bool) -> SimpleNamespace:
     """The TransformerConfig fields the offload points read."""
     return SimpleNamespace(fine_grained_activation_offloading=on, offload_modules=modules, min_offloaded_tensor_size=1,
@@ -135,12 +153,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--paused", action="store_true",
                    help="the offloading step runs inside mcore_offload.paused(): what the points cost a step that "
                         "offloads nothing (pretrain_gpt.py's plain steps)")
+    p.add_argument("--stub-cuda", action="store_true",
+                   help="the GPU's transport over a stub CUDA runtime (see the module docstring)")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("mcore_offload").setLevel(logging.WARNING)  # no per-step summary lines
     torch.set_num_threads(1)
     reset()
+    if args.stub_cuda:
+        install_stub_transport()
     model, x, modules = build_pattern(args.pattern, args.layers, args.experts)
 
     def step(cfg: SimpleNamespace) -> float:
@@ -168,8 +190,9 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("last offloading step: %d bytes offloaded, %d skipped (held elsewhere), %d kept on the device",
                     last.total("offloaded"), last.total("skipped_aliased"), last.total("kept_on_device"))
     per = statistics.median(diffs) * 1e6 / (args.layers * args.microbatches)
-    logger.info("added per layer and microbatch%s: median %.1f us (%d pairs, pattern %s, %d experts)",
-                " (paused)" if args.paused else "", per, args.pairs, args.pattern, args.experts)
+    logger.info("added per layer and microbatch%s: median %.1f us (%d pairs, pattern %s, %d experts%s)",
+                " (paused)" if args.paused else "", per, args.pairs, args.pattern, args.experts,
+                ", stub CUDA transport" if args.stub_cuda else "")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"added_us_per_layer_microbatch": per, **vars(args)}, indent=1))
     return 0

@@ -246,6 +246,21 @@ def test_cpu_grouped_layer_measures_an_offloading_step(tmp_path):
     assert json.loads(out.read_text())["paused"] is True and "(paused)" in proc.stderr
 
 
+def test_cpu_grouped_layer_with_the_stub_cuda_transport_runs_the_raw_transport(tmp_path):
+    """--stub-cuda: the raw (GPU) transport over the stub CUDA runtime does the offloading step's copies."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import cpu_transport_glue
+
+    if cpu_transport_glue.compiler() is None:
+        pytest.skip("no C compiler for the stub CUDA runtime")
+    out = tmp_path / "stub.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_grouped_layer.py"), "--pairs", "4",
+                           "--layers", "2", "--pattern", "attention", "--stub-cuda", "--json-out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(out.read_text())["stub_cuda"] is True and "stub CUDA transport" in proc.stderr
+
+
 def test_dma_load_copies_at_every_layer_but_each_chunks_last_in_active_steps_only():
     """DmaLoad's hooks (CPU: its copy recorded instead of made): one copy out per layer's forward and one in per
     layer's backward, each chunk's last layer left out, nothing while inactive."""
