@@ -31,8 +31,61 @@ def test_the_cpp_one_reference_check_answers_like_the_python_one(module):
     for case in _one_ref_cases():  # the case tuple is the only extra holder of its keeper: one reference
         name, ref, expected = case[0], case[1], case[3]
         storage = ref.tensor.untyped_storage()
-        held = module.held_by_other_than_one(storage, ref)  # not inside the assert: pytest keeps its operands
+        held = module.held_elsewhere(storage, [ref])  # not inside the assert: pytest keeps its operands
         assert held is expected, name
+
+
+def _many_ref_cases():
+    """(name, storage, refs, what else keeps alive, expected answer); no test-frame name refers to a saved tensor."""
+    from mcore_offload.runtime.saved import Group, SavedRef
+
+    group = Group("core_attn")
+
+    def refs_of(*tensors):
+        return [SavedRef(t, group, "core_attn") for t in tensors]
+
+    qkv = torch.randn(3, 8, 8)
+    sole = refs_of(*qkv.unbind(0))  # q, k and v: views of one projection's output, which only they keep
+    del qkv
+    kept_base = torch.randn(3, 8, 8)
+    base_named = refs_of(*kept_base.unbind(0))
+    other = torch.randn(4, 16)
+    other_tensor = refs_of(other[:2], other[2:])
+    other_keeper = other.view(64)  # a tensor that is neither saved nor a base of a saved view
+    del other
+    out = torch.randn(8, 8)
+    out_and_view = refs_of(out, out.view(64))  # attention's output saved by core_attn, its reshape by attn_proj
+    del out
+    twice_t = torch.randn(8, 8)
+    twice = refs_of(twice_t[:4], twice_t[:4], twice_t[4:])
+    del twice_t
+    named_t = torch.randn(8, 8)
+    named = refs_of(named_t[:4], named_t[4:])
+    named_view = named[0].tensor
+    del named_t
+    splits = torch.randn(64, 8)
+    experts = refs_of(*torch.split(splits, 4))  # a grouped GEMM's split per expert
+    del splits
+    return [
+        ("q, k, v whose base nobody else holds", sole, None, False),
+        ("q, k, v whose base Python still holds", base_named, kept_base, True),
+        ("another tensor on the storage", other_tensor, other_keeper, True),
+        ("a saved tensor and a saved view of it", out_and_view, None, False),
+        ("one view saved twice", twice, None, False),
+        ("a saved view named elsewhere", named, named_view, True),
+        ("sixteen expert splits", experts, None, False),
+    ]
+
+
+def test_the_cpp_many_references_check_answers_like_the_python_one(module):
+    from mcore_offload.runtime.saved import held_by_other_than_many
+
+    for name, refs, _keeper, expected in _many_ref_cases():
+        storage = refs[0].tensor.untyped_storage()
+        python = held_by_other_than_many(storage, refs)  # not inside the assert: pytest keeps its operands
+        cpp = module.held_elsewhere(storage, refs)
+        assert python is expected, name
+        assert cpp is expected, name
 
 
 def test_the_cpp_entry_has_the_python_entrys_fields_and_initial_values(module):

@@ -36,7 +36,6 @@ from mcore_offload.runtime.saved import (
     Group,
     SavedRef,
     covers,
-    held_by_other_than_many,
     held_elsewhere,
     routed_key,
 )
@@ -204,7 +203,7 @@ class ChunkOffloadHandler(HandlerBase):
         probing = manager.auto is not None and manager.auto.plan is None
         if native is not None and manager.offload_log is None and not probing:
             # all of the below in C++ (copy_path.cpp: copy_out), for a step that neither audits nor probes
-            native.copy_out(self, groups, held_by_other_than_many, ROUTED_POINTS, MIN_STORAGE_COVERAGE)
+            native.copy_out(self, groups, ROUTED_POINTS, MIN_STORAGE_COVERAGE)
             return
         if native is not None:
             by_storage, attach = native.storages_of(groups), native.attach

@@ -1,17 +1,16 @@
-"""The runtime's per-tensor and per-storage steps in C++ (``hooks.cpp``: the saved-tensor hooks; ``copy_path.cpp`` and
-``entry.cpp``: the copy-out; ``copy_calls.cpp``: the transport's copy loop and reload allocations; ``reload.cpp``: the
-reload's bookkeeping; ``node_hooks.cpp``: the group hooks on autograd nodes; ``module.cpp``: the module and what they
-share), built on first use with PyTorch's extension builder.
+"""The runtime's per-tensor and per-storage steps in C++ (``hooks.cpp``: the saved-tensor hooks; ``copy_path.cpp``,
+``held_checks.cpp`` and ``entry.cpp``: the copy-out; ``copy_calls.cpp``: the transport's copy loop and reload
+allocations; ``reload.cpp``: the reload's bookkeeping; ``node_hooks.cpp``: the group hooks on autograd nodes;
+``module.cpp``: the module and what they share), built on first use with PyTorch's extension builder.
 
-Why: in a launch-bound step (config A on an H100) the runtime's host time is step time, and some of its steps run
-once per saved tensor or per storage: the pack and unpack hooks (6.8 and 6.7 µs each in Python, 1,856 calls per step
-in session 18's breakdown of A's attention set), the copy-out (grouping by storage, alias checks, one entry and
-release callback per storage, per-view bookkeeping: about 200 µs of Python per burst of about ten storages in session
-20's breakdown), the per-copy loop, the reload's allocations and its per-entry bookkeeping. The C++ versions do the
-same checks and the same work without a Python frame, and hand every uncommon case (tensor subclasses, other layouts,
-a storage not back yet, a storage several saved views share when deciding whether another tensor holds it) to the
-Python code, so both paths decide alike; ``tests/test_native_hooks.py`` and ``tests/test_native_copy_out.py`` check
-that they do.
+Why: in a launch-bound step (config A on an H100) the runtime's host time is step time, and some of its steps run once
+per saved tensor or per storage: the pack and unpack hooks (6.8 and 6.7 µs each in Python, 1,856 calls per step in
+session 18's breakdown of A's attention set), the copy-out (grouping by storage, alias checks, one entry and release
+callback per storage, per-view bookkeeping: about 200 µs of Python per burst of about ten storages in session 20's
+breakdown), the per-copy loop, the reload's allocations and its per-entry bookkeeping. The C++ versions do the same
+checks and the same work without a Python frame, and hand every uncommon case (tensor subclasses, other layouts, a
+storage not back yet) to the Python code, so both paths decide alike; ``tests/test_native_hooks.py`` and
+``tests/test_native_copy_out.py`` check that they do.
 
 ``MCORE_OFFLOAD_NATIVE``:
 
@@ -43,8 +42,8 @@ from mcore_offload.config import choice_env
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("module.cpp", "hooks.cpp", "copy_path.cpp", "copy_calls.cpp", "entry.cpp", "reload.cpp",
-                           "node_hooks.cpp"))
+                for name in ("module.cpp", "hooks.cpp", "copy_path.cpp", "held_checks.cpp", "copy_calls.cpp",
+                             "entry.cpp", "reload.cpp", "node_hooks.cpp"))
 HEADERS = (Path(__file__).with_name("common.h"),)
 MODES = ("auto", "0", "1")
 

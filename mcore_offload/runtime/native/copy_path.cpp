@@ -11,6 +11,8 @@
 //   storages_of, attach   handler.flush's grouping of saved refs by storage, and handler._attach (the Python flush
 //               uses them where copy_out does not run)
 //
+// The coverage and alias checks copy_out makes on each storage are in held_checks.cpp.
+//
 // The transport's copy loop and reload allocations are in copy_calls.cpp.
 
 #include "common.h"
@@ -19,25 +21,6 @@
 
 namespace mco {
 namespace {
-
-// A new reference to ref.tensor (nullptr without an error if it is None or unset, nullptr with one on failure)
-PyObject* ref_tensor(PyObject* ref) {
-  PyObject* t;
-  if (Py_TYPE(ref) == &SavedRefType) {
-    t = reinterpret_cast<SavedRef*>(ref)->tensor;
-    Py_XINCREF(t);
-  } else {
-    t = PyObject_GetAttrString(ref, "tensor");
-    if (t == nullptr) return nullptr;
-  }
-  if (t == Py_None) Py_CLEAR(t);
-  if (t != nullptr && !THPVariable_Check(t)) {
-    Py_DECREF(t);
-    PyErr_SetString(PyExc_TypeError, "a saved reference holds something other than a tensor");
-    return nullptr;
-  }
-  return t;
-}
 
 // handler.flush's grouping (the module's storages_of(groups)). {storage address: (storage, [refs])} over the refs still
 // holding their tensor, in the order their storages first appear; one storage object per storage, as the Python loop
@@ -199,71 +182,7 @@ PyObject* module_attach(PyObject*, PyObject* args) {
 PyObject* module_storages_of(PyObject*, PyObject* groups) { return storages_of(groups); }
 
 // ------------------------------------------------------------------------------------------------------ copy_out
-// saved.covers: whether the distinct byte ranges the refs' views start at cover ``need`` bytes (-1: error)
-int covers(PyObject* refs, double need) {
-  std::vector<std::pair<int64_t, int64_t>> seen;
-  double covered = 0;
-  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(refs); ++i) {
-    PyObject* tensor = ref_tensor(PyList_GET_ITEM(refs, i));
-    if (tensor == nullptr) {
-      if (PyErr_Occurred()) return -1;
-      continue;
-    }
-    const at::Tensor& t = THPVariable_Unpack(tensor);
-    int64_t size = static_cast<int64_t>(t.element_size());
-    std::pair<int64_t, int64_t> key{t.storage_offset() * size, t.numel() * size};
-    Py_DECREF(tensor);
-    bool known = false;
-    for (const auto& k : seen) known = known || k == key;
-    if (!known) {
-      seen.push_back(key);
-      covered += static_cast<double>(key.second);
-      if (covered >= need) return 1;
-    }
-  }
-  return 0;
-}
-
-// saved.held_by_other_than_one: whether a tensor other than the one saved view (and its base) holds the
-// storage. The same counts: each threshold is the Python one less the references that code's own locals and
-// getrefcount's argument add, plus the one this function holds. -1: error
-int held_by_other_than_one(PyObject* st, PyObject* ref) {
-  PyObject* tensor = ref_tensor(ref);
-  if (tensor == nullptr) return PyErr_Occurred() ? -1 : 0;
-  const at::Tensor& t = THPVariable_Unpack(tensor);
-  bool view = t.is_view();
-  // storage users: the saved tensor, its base if it is a view, and the storage object we hold
-  int held = THPStorage_Unpack(st).use_count() > (view ? 3u : 2u);
-  // Python references to the tensor: the SavedRef and ours
-  if (!held) held = Py_REFCNT(tensor) > 2;
-  if (!held && view) {
-    PyObject* base = THPVariable_Wrap(t._base());
-    if (base == nullptr) {
-      held = -1;
-    } else {
-      held = Py_REFCNT(base) > 2;  // ours and the view's C++ side
-      Py_DECREF(base);
-    }
-  }
-  Py_DECREF(tensor);
-  return held;
-}
-
-// held_by_other_than_one(storage, ref): the check above, for the tests (the same answer as the Python one)
-PyObject* module_held_by_other_than_one(PyObject*, PyObject* args) {
-  HANDLE_TH_ERRORS
-  PyObject *st, *ref;
-  if (!PyArg_ParseTuple(args, "OO", &st, &ref)) return nullptr;
-  if (!THPStorage_Check(st)) {
-    PyErr_SetString(PyExc_TypeError, "held_by_other_than_one takes an untyped storage and a saved reference");
-    return nullptr;
-  }
-  int held = held_by_other_than_one(st, ref);
-  if (held < 0) return nullptr;
-  return PyBool_FromLong(held);
-  END_HANDLE_TH_ERRORS
-}
-
+// (the coverage and alias checks it makes are in held_checks.cpp)
 struct ToCopy {
   PyObject* ptr;  // borrowed from the grouping dict, which outlives the list
   PyObject* storage;
@@ -313,14 +232,13 @@ int make_entries(PyObject* handler, PyObject* live, const std::vector<ToCopy>& t
   return rc;
 }
 
-// copy_out(handler, groups, held_by_other_than_many, routed_points, min_coverage): handler.flush's work after it
-// took the pending groups (see the file comment). held_by_other_than_many: saved.held_by_other_than_many, for a
-// storage several saved views share (the C++ check covers the one-view case)
+// copy_out(handler, groups, routed_points, min_coverage): handler.flush's work after it took the pending groups (see
+// the file comment)
 PyObject* module_copy_out(PyObject*, PyObject* args) {
   HANDLE_TH_ERRORS
-  PyObject *handler, *groups, *held_many, *routed_points;
+  PyObject *handler, *groups, *routed_points;
   double min_coverage;
-  if (!PyArg_ParseTuple(args, "OOOOd", &handler, &groups, &held_many, &routed_points, &min_coverage)) return nullptr;
+  if (!PyArg_ParseTuple(args, "OOOd", &handler, &groups, &routed_points, &min_coverage)) return nullptr;
   if (!PyAnySet_Check(routed_points)) {
     PyErr_SetString(PyExc_TypeError, "copy_out: routed_points must be a set");
     return nullptr;
@@ -375,9 +293,7 @@ PyObject* module_copy_out(PyObject*, PyObject* args) {
         ok = enough == 0;
         continue;
       }
-      PyObject* answer = PyObject_CallFunctionObjArgs(held_many, st, refs, nullptr);
-      held = answer ? PyObject_IsTrue(answer) : -1;
-      Py_XDECREF(answer);
+      held = held_by_other_than_many(st, refs);
     }
     if (held < 0) {
       ok = false;
@@ -436,9 +352,7 @@ PyMethodDef copy_path_methods[] = {
     {"storages_of", module_storages_of, METH_O, "storages_of(groups): handler.flush's grouping by storage"},
     {"attach", module_attach, METH_VARARGS, "attach(entry, refs): handler._attach"},
     {"copy_out", module_copy_out, METH_VARARGS,
-     "copy_out(handler, groups, held_by_other_than_many, routed_points, min_coverage): handler.flush's work"},
-    {"held_by_other_than_one", module_held_by_other_than_one, METH_VARARGS,
-     "held_by_other_than_one(storage, ref): saved.held_by_other_than_one"},
+     "copy_out(handler, groups, routed_points, min_coverage): handler.flush's work"},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace mco
