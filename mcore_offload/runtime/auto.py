@@ -21,7 +21,8 @@ Host time is a cost too. Where the step is launch-bound (the GPU has caught up w
 start the previous layer's start mark has already run on the GPU), every microsecond the runtime spends on
 the host is step time (measured: ``benchmarks/host_delay.py``). The probe step measures that share (the
 *exposure*) and the runtime's host time per group; the choice then spends at most :data:`HOST_BUDGET` of the
-step on exposed host time, preferring the units with the most bytes per exposed host millisecond.
+step on exposed host time, the bytes each unit moves counted too (:data:`TRAFFIC_SHARE_PER_GIB`), preferring the
+units with the most bytes per exposed host millisecond.
 """
 
 from __future__ import annotations

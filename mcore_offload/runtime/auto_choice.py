@@ -24,9 +24,10 @@ HOST_BUDGET = 0.015
 JOINED_UNIT_COST = 0.4
 #: Share of the plain step that moving 1 GiB out and back in a step costs by itself where the step is launch-bound
 #: (exposure 1), beyond the runtime's own host time: the host thread runs slower while reloads stream in, whoever
-#: issues them. The link traffic alone (no runtime, the copies' own calls taken out) measured 0.8-1.5 % per GiB on
-#: the H100 host (sessions 16-17: A core_attn, A attention set, C experts, C all five); on C the runtime's host
-#: time alone explained 40 % of all five's overhead and the plan overshot the 2 % (session 16).
+#: issues them. The link traffic alone (no runtime; the load's own copy calls included) measured 0.8-1.5 % per GiB
+#: on the H100 host (sessions 16-17: A core_attn, A attention set, C experts, C all five); on C the runtime's host
+#: time alone explained 40 % of all five's overhead and the plan overshot the 2 % (session 16). The runtime's host
+#: time already holds its own copy calls: counting them here too errs toward offloading less.
 TRAFFIC_SHARE_PER_GIB = 0.01
 #: Units whose points chain into one group when both are chosen in a layer (runtime/points.py, CHAIN_NEXT).
 FAMILY: dict[tuple[str, ...], str] = {("qkv_linear",): "attention", ("core_attn", "attn_proj"): "attention",
