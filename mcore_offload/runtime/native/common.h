@@ -101,16 +101,9 @@ class PointTotals {
 // hooks.cpp: SavedRef, Packer and Unpacker readied and added to the module (false: error set)
 bool hook_types_ready(PyObject* module);
 
-// copy_path.cpp, copy_calls.cpp and reload.cpp: their module functions
+// copy_path.cpp, held_checks.cpp, copy_calls.cpp and reload.cpp: their module functions
 extern PyMethodDef copy_path_methods[];
 extern PyMethodDef held_check_methods[];
-
-// held_checks.cpp, for copy_out: a new reference to ref.tensor (nullptr without an error if None or unset); the
-// coverage check; whether another tensor keeps a storage (1), not (0), error (-1)
-PyObject* ref_tensor(PyObject* ref);
-int covers(PyObject* refs, double need);
-int held_by_other_than_one(PyObject* st, PyObject* ref);
-int held_by_other_than_many(PyObject* st, PyObject* refs);
 extern PyMethodDef copy_call_methods[];
 extern PyMethodDef reload_methods[];
 // node_hooks.cpp: add_prehook (the group start and commit hooks on existing autograd nodes)
@@ -122,5 +115,12 @@ PyObject* new_entry(PyObject* point, PyObject* nbytes, PyObject* host, PyObject*
 PyObject* new_released(PyObject* handler, PyObject* ptr, PyObject* entry);
 void entry_set_storage_ref(PyObject* entry, PyObject* weak);
 bool entry_types_ready(PyObject* module);
+
+// held_checks.cpp, for copy_out: a new reference to ref.tensor (nullptr without an error if None or unset); the
+// coverage check; whether another tensor keeps a storage (1), not (0), error (-1)
+PyObject* ref_tensor(PyObject* ref);
+int covers(PyObject* refs, double need);
+int held_by_other_than_one(PyObject* st, PyObject* ref);
+int held_by_other_than_many(PyObject* st, PyObject* refs);
 
 }  // namespace mco
