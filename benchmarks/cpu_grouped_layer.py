@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mcore_offload.runtime import points  # noqa: E402
 from mcore_offload.runtime.manager import paused, reset  # noqa: E402
+from mcore_offload.runtime.transport import transport_for  # noqa: E402
 from mcore_offload.summary import get_summary  # noqa: E402
 
 logger = logging.getLogger("cpu_grouped_layer")
@@ -190,11 +191,13 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("last offloading step: %d bytes offloaded, %d skipped (held elsewhere), %d kept on the device",
                     last.total("offloaded"), last.total("skipped_aliased"), last.total("kept_on_device"))
     per = statistics.median(diffs) * 1e6 / (args.layers * args.microbatches)
+    transport = type(transport_for(torch.device("cpu"))).__name__  # what made the last step's copies
     logger.info("added per layer and microbatch%s: median %.1f us (%d pairs, pattern %s, %d experts%s)",
                 " (paused)" if args.paused else "", per, args.pairs, args.pattern, args.experts,
                 ", stub CUDA transport" if args.stub_cuda else "")
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"added_us_per_layer_microbatch": per, **vars(args)}, indent=1))
+        Path(args.json_out).write_text(json.dumps({"added_us_per_layer_microbatch": per, "transport": transport,
+                                                   **vars(args)}, indent=1))
     return 0
 
 

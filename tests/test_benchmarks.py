@@ -238,6 +238,7 @@ def test_cpu_grouped_layer_measures_an_offloading_step(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
     assert result["pairs"] == 4 and isinstance(result["added_us_per_layer_microbatch"], float)
+    assert result["transport"] == "Transport"  # the CPU's synchronous copies
     # --paused: the same steps inside mcore_offload.paused() (the script fails if one of them offloaded)
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_grouped_layer.py"), "--pairs", "4",
                            "--layers", "2", "--pattern", "attention", "--paused", "--json-out", str(out)],
@@ -258,7 +259,9 @@ def test_cpu_grouped_layer_with_the_stub_cuda_transport_runs_the_raw_transport(t
                            "--layers", "2", "--pattern", "attention", "--stub-cuda", "--json-out", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert json.loads(out.read_text())["stub_cuda"] is True and "stub CUDA transport" in proc.stderr
+    result = json.loads(out.read_text())
+    assert result["stub_cuda"] is True and "stub CUDA transport" in proc.stderr
+    assert result["transport"] == "RawCudaTransport"
 
 
 def test_dma_load_copies_at_every_layer_but_each_chunks_last_in_active_steps_only():
