@@ -160,6 +160,9 @@ class CudaRuntime:
         self.event_record = bind("cudaEventRecord", vp, vp)
         self.stream_wait = bind("cudaStreamWaitEvent", vp, vp, u)
         self.event_query = bind("cudaEventQuery", vp)
+        # for the C++ copy bursts (runtime/native/bursts.cpp), which call these four at their addresses
+        self.call_addresses = tuple(ctypes.cast(f, vp).value for f in (self.memcpy, self.event_record,
+                                                                         self.stream_wait, self.event_query))
         self.event_synchronize = bind("cudaEventSynchronize", vp)
         self.event_elapsed = bind("cudaEventElapsedTime", ctypes.POINTER(ctypes.c_float), vp, vp)
         self.host_alloc = bind("cudaHostAlloc", ctypes.POINTER(vp), ctypes.c_size_t, u)

@@ -7,6 +7,7 @@ hand-off between streams is guarded by an event; on CPU (the test harness) copie
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import deque
 
@@ -316,6 +317,8 @@ class RawCudaTransport(CoalescedReloads, CudaTransport):
         # the C++ copy loop and reload allocations (runtime/native), or None: the Python ones (MCORE_OFFLOAD_NATIVE)
         self.native = load_native()
         self.coalesce = coalesce_reloads()
+        if _raw_current_stream_handle is not None:  # a C call with no Python frame (the C++ bursts call it too)
+            self._compute_handle = functools.partial(_raw_current_stream_handle, self.device_index)
         self._slices_left: dict[int, int] = {}  # coalesced host buffer (address) -> its slices not yet released
         if runtime.memcpy_batch is not None and not self._batch_copy_works():
             runtime.memcpy_batch = None
@@ -343,7 +346,29 @@ class RawCudaTransport(CoalescedReloads, CudaTransport):
         records and is waited on like any other, and one pool serves marks and done events)."""
         return self._timed_events.get()
 
+    def _native_bursts(self):
+        """The C++ bursts (runtime/native/bursts.cpp), or None: where the reloads are coalesced, copies go as one
+        cudaMemcpyBatchAsync, or the runtime has no C entry points (tests' fakes), the Python methods below make
+        them."""
+        native = self.native
+        rt = self.rt
+        if native is None or self.coalesce or rt.memcpy_batch is not None:
+            return None
+        if getattr(rt, "call_addresses", None) is None:
+            return None
+        return native
+
+    def release_copied(self, final=False):
+        native = None if final else self._native_bursts()
+        if native is not None:
+            native.release_copied(self)
+        else:
+            super().release_copied(final)
+
     def to_host(self, storages, keep_alive, routed):
+        native = self._native_bursts()
+        if native is not None:  # the same calls, in the same order, in one C++ call
+            return native.to_host_burst(self, storages, keep_alive, routed)
         self.release_copied()
         rt = self.rt
         record, stream_wait = rt.event_record, rt.stream_wait
@@ -383,6 +408,9 @@ class RawCudaTransport(CoalescedReloads, CudaTransport):
         return bufs, done
 
     def to_device(self, hosts, sizes, after, device, parts=None):
+        native = self._native_bursts()
+        if native is not None:  # the same calls, in the same order, in one C++ call (storages on self.device_index)
+            return native.to_device_burst(self, hosts, sizes, after, parts)
         self.release_copied()
         rt = self.rt
         record, stream_wait = rt.event_record, rt.stream_wait

@@ -1,7 +1,8 @@
 // Declarations shared by the native runtime's translation units: module.cpp (the module, the interned names and the
 // helpers below), hooks.cpp (the saved-tensor hook types), copy_path.cpp (the copy-out), copy_calls.cpp (the
-// transport's copy loop and reload allocations), entry.cpp (the copy-out's object types), reload.cpp (the reload's
-// bookkeeping) and node_hooks.cpp (hooks on autograd nodes). See __init__.py for why and how this is built.
+// transport's copy loop and reload allocations), bursts.cpp (the raw transport's copy bursts), entry.cpp (the
+// copy-out's object types), reload.cpp (the reload's bookkeeping) and node_hooks.cpp (hooks on autograd nodes). See
+// __init__.py for why and how this is built.
 #pragma once
 
 #include <Python.h>
@@ -101,11 +102,12 @@ class PointTotals {
 // hooks.cpp: SavedRef, Packer and Unpacker readied and added to the module (false: error set)
 bool hook_types_ready(PyObject* module);
 
-// copy_path.cpp, held_checks.cpp, copy_calls.cpp and reload.cpp: their module functions
+// copy_path.cpp, held_checks.cpp, copy_calls.cpp, bursts.cpp and reload.cpp: their module functions
 extern PyMethodDef copy_path_methods[];
 extern PyMethodDef held_check_methods[];
 extern PyMethodDef copy_call_methods[];
 extern PyMethodDef reload_methods[];
+extern PyMethodDef burst_methods[];
 // node_hooks.cpp: add_prehook (the group start and commit hooks on existing autograd nodes)
 extern PyMethodDef node_hook_methods[];
 

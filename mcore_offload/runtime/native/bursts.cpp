@@ -1,0 +1,463 @@
+// The raw-copy transport's bursts in C++ (see __init__.py for why and how this is built): RawCudaTransport.to_host,
+// to_device and release_copied for the common case (no coalesced reloads, no cudaMemcpyBatchAsync), each one call
+// instead of a Python frame per step of the burst and a ctypes call per CUDA call.
+//
+//   to_host_burst    RawCudaTransport.to_host: the copied blocks seen done go back (release_copied), the D2H stream
+//                    waits for the compute stream, one host buffer per storage from the pool, a wait on each reused
+//                    buffer's reload unless the compute stream already waited for it, the copies, the done event
+//   to_device_burst  RawCudaTransport.to_device: fresh device storages, the H2D stream waits for the compute stream
+//                    and for each D2H not yet seen done, the copies part by part, one done event per part numbered
+//                    as the handler numbers reload bursts
+//   release_copied   CudaTransport.release_copied (not ``final``)
+//
+// The CUDA runtime's entry points are called at the addresses CudaRuntime read from the library PyTorch has loaded
+// (transport.rt.call_addresses). The objects stay the Python ones: the pool, the events (RawEvent, from the transport's
+// pool), the held deque, the telemetry. So the Python methods and these make the same calls in the same order with the
+// same events; tests/test_stream_order.py checks the hand-offs from the calls of both.
+
+#include "common.h"
+
+namespace mco {
+namespace {
+
+constexpr int kHostToDevice = 1;  // cudaMemcpyHostToDevice
+constexpr int kDeviceToHost = 2;  // cudaMemcpyDeviceToHost
+constexpr int kNotReady = 600;    // cudaErrorNotReady: cudaEventQuery's "not yet"
+
+using MemcpyAsync = int (*)(void*, const void*, size_t, int, void*);
+using EventRecord = int (*)(void*, void*);
+using StreamWait = int (*)(void*, void*, unsigned);
+using EventQuery = int (*)(void*);
+
+struct Calls {
+  MemcpyAsync memcpy_async;
+  EventRecord record;
+  StreamWait wait;
+  EventQuery query;
+};
+
+void* as_handle(unsigned long long v) { return reinterpret_cast<void*>(static_cast<uintptr_t>(v)); }
+
+// transport.rt.call_addresses: (cudaMemcpyAsync, cudaEventRecord, cudaStreamWaitEvent, cudaEventQuery) (false: error)
+bool calls_of(PyObject* transport, Calls& out) {
+  PyObject* rt = PyObject_GetAttrString(transport, "rt");
+  PyObject* t = rt ? PyObject_GetAttrString(rt, "call_addresses") : nullptr;
+  Py_XDECREF(rt);
+  if (t == nullptr) return false;
+  unsigned long long a[4];
+  bool ok = PyTuple_Check(t) && PyArg_ParseTuple(t, "KKKK", &a[0], &a[1], &a[2], &a[3]);
+  Py_DECREF(t);
+  if (!ok || a[0] == 0 || a[1] == 0 || a[2] == 0 || a[3] == 0) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "transport.rt.call_addresses must hold four addresses");
+    return false;
+  }
+  out.memcpy_async = reinterpret_cast<MemcpyAsync>(static_cast<uintptr_t>(a[0]));
+  out.record = reinterpret_cast<EventRecord>(static_cast<uintptr_t>(a[1]));
+  out.wait = reinterpret_cast<StreamWait>(static_cast<uintptr_t>(a[2]));
+  out.query = reinterpret_cast<EventQuery>(static_cast<uintptr_t>(a[3]));
+  return true;
+}
+
+// An integer attribute (a handle or a counter) into ``out`` (false: error set)
+bool int_attr(PyObject* obj, const char* name, unsigned long long& out) {
+  PyObject* v = PyObject_GetAttrString(obj, name);
+  if (v == nullptr) return false;
+  out = PyLong_AsUnsignedLongLong(v);
+  Py_DECREF(v);
+  return !(out == static_cast<unsigned long long>(-1) && PyErr_Occurred());
+}
+
+// obj.<a>.<b> as an integer (the fence events' handles)
+bool nested_int_attr(PyObject* obj, const char* a, const char* b, unsigned long long& out) {
+  PyObject* inner = PyObject_GetAttrString(obj, a);
+  if (inner == nullptr) return false;
+  bool ok = int_attr(inner, b, out);
+  Py_DECREF(inner);
+  return ok;
+}
+
+// transport._compute_handle(): the current (compute) stream's raw handle
+bool compute_handle(PyObject* transport, unsigned long long& out) {
+  PyObject* v = PyObject_CallMethod(transport, "_compute_handle", nullptr);
+  if (v == nullptr) return false;
+  out = PyLong_AsUnsignedLongLong(v);
+  Py_DECREF(v);
+  return !(out == static_cast<unsigned long long>(-1) && PyErr_Occurred());
+}
+
+// transport.rt.fail(what, err): raises (always nullptr-returning for the caller)
+void fail(PyObject* transport, const char* what, int err) {
+  PyObject* rt = PyObject_GetAttrString(transport, "rt");
+  if (rt == nullptr) return;
+  PyObject* r = PyObject_CallMethod(rt, "fail", "si", what, err);
+  Py_DECREF(rt);
+  Py_XDECREF(r);
+  if (!PyErr_Occurred()) PyErr_Format(PyExc_RuntimeError, "%s failed (error %d)", what, err);
+}
+
+// CudaTransport.release_copied without ``final``: the held D2H bursts seen complete, oldest first, are dropped (their
+// device blocks go back to the allocator) and their done events marked seen. 0, or -1 with an error set
+int release_done(PyObject* transport, const Calls& calls) {
+  PyObject* held = PyObject_GetAttrString(transport, "_held");
+  if (held == nullptr) return -1;
+  int rc = 0;
+  while (true) {
+    Py_ssize_t n = PyObject_Size(held);
+    if (n <= 0) {
+      rc = n < 0 ? -1 : 0;
+      break;
+    }
+    PyObject* first = PySequence_GetItem(held, 0);  // (done event, the device tensors it read)
+    PyObject* event = first && PyTuple_Check(first) && PyTuple_GET_SIZE(first) == 2 ? PyTuple_GET_ITEM(first, 0)
+                                                                                   : nullptr;
+    unsigned long long handle = 0;
+    if (event == nullptr || !int_attr(event, "handle", handle)) {
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "transport._held must hold (event, tensors) pairs");
+      Py_XDECREF(first);
+      rc = -1;
+      break;
+    }
+    int err = calls.query(as_handle(handle));
+    if (err == kNotReady) {
+      Py_DECREF(first);
+      break;
+    }
+    if (err != 0) {
+      Py_DECREF(first);
+      fail(transport, "cudaEventQuery", err);
+      rc = -1;
+      break;
+    }
+    PyObject* popped = PyObject_CallMethod(held, "popleft", nullptr);
+    Py_XDECREF(popped);  // with ``first``'s reference gone below, the tensors it held go
+    // reloads of these blocks need not wait on it (RawCudaTransport.to_device)
+    rc = popped == nullptr || PyObject_SetAttrString(event, "seen_done", Py_True) < 0 ? -1 : 0;
+    Py_DECREF(first);
+    if (rc < 0) break;
+  }
+  Py_DECREF(held);
+  return rc;
+}
+
+// telemetry.mark(stream) where the step is timed, else None (a new reference; nullptr: error)
+PyObject* mark(PyObject* telemetry, unsigned long long stream) {
+  PyObject* timing = PyObject_GetAttrString(telemetry, "timing");
+  int on = timing ? PyObject_IsTrue(timing) : -1;
+  Py_XDECREF(timing);
+  if (on < 0) return nullptr;
+  if (!on) {
+    Py_INCREF(Py_None);
+    return Py_None;
+  }
+  return PyObject_CallMethod(telemetry, "mark", "K", stream);
+}
+
+// telemetry.span(kind, start, end, nbytes, keep_end=True) (-1: error)
+int span(PyObject* telemetry, const char* kind, PyObject* start, PyObject* end, long long nbytes) {
+  PyObject* r = PyObject_CallMethod(telemetry, "span", "sOOLO", kind, start, end, nbytes, Py_True);
+  Py_XDECREF(r);
+  return r == nullptr ? -1 : 0;
+}
+
+// A new done event from transport._done_event(), recorded on ``stream`` (nullptr: error)
+PyObject* done_event(PyObject* transport, const Calls& calls, unsigned long long stream) {
+  PyObject* done = PyObject_CallMethod(transport, "_done_event", nullptr);
+  unsigned long long handle = 0;
+  if (done == nullptr || !int_attr(done, "handle", handle)) {
+    Py_XDECREF(done);
+    return nullptr;
+  }
+  int err = calls.record(as_handle(handle), as_handle(stream));
+  if (err != 0) {
+    Py_DECREF(done);
+    fail(transport, "cudaEventRecord", err);
+    return nullptr;
+  }
+  return done;
+}
+
+// Owned references released at scope exit
+struct Refs {
+  std::vector<PyObject*> held;
+  PyObject* keep(PyObject* o) {
+    if (o != nullptr) held.push_back(o);
+    return o;
+  }
+  ~Refs() {
+    for (PyObject* o : held) Py_DECREF(o);
+  }
+};
+
+// ``stream`` waits for ``event`` unless an earlier call of the burst failed (``err``: its code); false: error set
+bool wait_for(const Calls& calls, unsigned long long stream, PyObject* event, int& err) {
+  unsigned long long handle = 0;
+  if (!int_attr(event, "handle", handle)) return false;
+  if (err == 0) err = calls.wait(as_handle(stream), as_handle(handle), 0);
+  return true;
+}
+
+// After a burst's fence and waits: the first failed call raised (``err``), else the start mark on ``stream`` (None in
+// an untimed step), with ``telemetry`` set; both kept in ``refs``. nullptr: error set
+PyObject* waits_done(PyObject* transport, Refs& refs, int err, unsigned long long stream, PyObject*& telemetry) {
+  if (err != 0) {
+    fail(transport, "cudaEventRecord/cudaStreamWaitEvent", err);
+    return nullptr;
+  }
+  telemetry = refs.keep(PyObject_GetAttrString(transport, "telemetry"));
+  return telemetry ? refs.keep(mark(telemetry, stream)) : nullptr;
+}
+
+// to_host_burst(transport, storages, keep_alive, routed) -> (host buffers, done event): RawCudaTransport.to_host
+PyObject* module_to_host_burst(PyObject*, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject *transport, *storages, *keep_alive, *routed;
+  if (!PyArg_ParseTuple(args, "OO!OO!", &transport, &PyList_Type, &storages, &keep_alive, &PyList_Type, &routed))
+    return nullptr;
+  const Py_ssize_t n = PyList_GET_SIZE(storages);
+  if (PyList_GET_SIZE(routed) != n) {
+    PyErr_SetString(PyExc_ValueError, "to_host_burst: one routed key per storage");
+    return nullptr;
+  }
+  Calls calls;
+  if (!calls_of(transport, calls) || release_done(transport, calls) < 0) return nullptr;
+  Refs refs;
+  unsigned long long d2h, fence, compute;
+  if (!int_attr(transport, "_d2h_handle", d2h) || !nested_int_attr(transport, "_d2h_fence", "handle", fence) ||
+      !compute_handle(transport, compute))
+    return nullptr;
+  // The saved tensors were produced on the compute stream: copy only after it reached this point.
+  int err = calls.record(as_handle(fence), as_handle(compute));
+  if (err == 0) err = calls.wait(as_handle(d2h), as_handle(fence), 0);
+  std::vector<const void*> srcs(n);
+  std::vector<size_t> sizes(n);
+  long long nbytes = 0;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* st = PyList_GET_ITEM(storages, i);
+    if (!THPStorage_Check(st)) {
+      PyErr_SetString(PyExc_TypeError, "to_host_burst copies untyped storages only");
+      return nullptr;
+    }
+    const c10::Storage& storage = THPStorage_Unpack(st);
+    srcs[i] = storage.data();
+    sizes[i] = storage.nbytes();
+    nbytes += static_cast<long long>(sizes[i]);
+  }
+  PyObject* pool = refs.keep(PyObject_GetAttrString(transport, "pool"));
+  PyObject* acquire = pool ? refs.keep(PyObject_GetAttrString(pool, "acquire_base")) : nullptr;
+  PyObject* bufs = acquire ? refs.keep(PyList_New(n)) : nullptr;
+  if (bufs == nullptr) return nullptr;
+  std::vector<PyObject*> reuse_events(n, nullptr);  // borrowed from the pool's answers, kept in ``answers``
+  PyObject* answers = refs.keep(PyList_New(0));
+  if (answers == nullptr) return nullptr;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* answer = PyObject_CallFunction(acquire, "nO", static_cast<Py_ssize_t>(sizes[i]),
+                                             PyList_GET_ITEM(routed, i));
+    if (answer == nullptr) return nullptr;
+    int rc = PyList_Append(answers, answer);
+    Py_DECREF(answer);
+    if (rc < 0) return nullptr;
+    if (!PyTuple_Check(answer) || PyTuple_GET_SIZE(answer) != 2 || !THPVariable_Check(PyTuple_GET_ITEM(answer, 0))) {
+      PyErr_SetString(PyExc_TypeError, "to_host_burst: pool.acquire_base must answer (tensor, event)");
+      return nullptr;
+    }
+    PyObject* buf = PyTuple_GET_ITEM(answer, 0);
+    Py_INCREF(buf);
+    PyList_SET_ITEM(bufs, i, buf);
+    reuse_events[i] = PyTuple_GET_ITEM(answer, 1);
+  }
+  // A reused buffer's previous H2D must have read it before we overwrite it, unless the compute stream already
+  // waited for that reload burst or a later one (the fence above, recorded after that wait, orders this burst).
+  long long ordered = 0;
+  {
+    PyObject* waited_seq = refs.keep(PyObject_GetAttrString(transport, "_waited_seq"));
+    PyObject* key = waited_seq ? PyLong_FromUnsignedLongLong(compute) : nullptr;
+    PyObject* got = key ? PyDict_GetItemWithError(waited_seq, key) : nullptr;  // borrowed
+    Py_XDECREF(key);
+    if (got == nullptr && PyErr_Occurred()) return nullptr;
+    if (got != nullptr) {
+      ordered = PyLong_AsLongLong(got);
+      if (ordered == -1 && PyErr_Occurred()) return nullptr;
+    }
+  }
+  PyObject* waited = nullptr;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* event = reuse_events[i];
+    if (event == Py_None || event == waited) continue;
+    PyObject* seq = PyObject_GetAttrString(event, "reload_seq");
+    if (seq == nullptr) return nullptr;
+    long long s = seq == Py_None ? -1 : PyLong_AsLongLong(seq);
+    Py_DECREF(seq);
+    if (s == -1 && PyErr_Occurred()) return nullptr;
+    if (s != -1 && s <= ordered) continue;
+    if (!wait_for(calls, d2h, event, err)) return nullptr;
+    waited = event;
+  }
+  PyObject* telemetry = nullptr;
+  PyObject* start = waits_done(transport, refs, err, d2h, telemetry);
+  if (start == nullptr) return nullptr;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    void* dst = THPVariable_Unpack(PyList_GET_ITEM(bufs, i)).data_ptr();
+    err = calls.memcpy_async(dst, srcs[i], sizes[i], kDeviceToHost, as_handle(d2h));
+    if (err != 0) {
+      fail(transport, "cudaMemcpyAsync", err);
+      return nullptr;
+    }
+  }
+  PyObject* done = refs.keep(done_event(transport, calls, d2h));
+  if (done == nullptr) return nullptr;
+  // The caching allocator must not hand these blocks out before the copy has read them (release_copied).
+  PyObject* held = refs.keep(PyObject_GetAttrString(transport, "_held"));
+  PyObject* pair = held ? refs.keep(PyTuple_Pack(2, done, keep_alive)) : nullptr;
+  PyObject* r = pair ? PyObject_CallMethod(held, "append", "(O)", pair) : nullptr;
+  if (r == nullptr) return nullptr;
+  Py_DECREF(r);
+  if (span(telemetry, "d2h", start, done, nbytes) < 0) return nullptr;
+  return PyTuple_Pack(2, bufs, done);
+  END_HANDLE_TH_ERRORS
+}
+
+// to_device_burst(transport, hosts, sizes, after, parts) -> (device storages, done events): RawCudaTransport.to_device
+PyObject* module_to_device_burst(PyObject*, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject *transport, *hosts, *sizes_obj, *after, *parts;
+  if (!PyArg_ParseTuple(args, "OO!O!O!O", &transport, &PyList_Type, &hosts, &PyList_Type, &sizes_obj, &PyList_Type,
+                        &after, &parts))
+    return nullptr;
+  const Py_ssize_t n = PyList_GET_SIZE(hosts);
+  if (PyList_GET_SIZE(sizes_obj) != n || PyList_GET_SIZE(after) != n) {
+    PyErr_SetString(PyExc_ValueError, "to_device_burst: one size and one D2H event per host buffer");
+    return nullptr;
+  }
+  // The copy counts after which each part ends (None or []: one part), as transport._part_ends checks them
+  std::vector<Py_ssize_t> ends;
+  if (parts != Py_None) {
+    PyObject* seq = PySequence_Fast(parts, "to_device_burst: parts must be a list of counts");
+    if (seq == nullptr) return nullptr;
+    Py_ssize_t total = 0;
+    bool ok = true;
+    for (Py_ssize_t p = 0; ok && p < PySequence_Fast_GET_SIZE(seq); ++p) {
+      Py_ssize_t k = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(seq, p));
+      ok = !(k == -1 && PyErr_Occurred()) && k > 0;
+      total += k;
+      ends.push_back(total);
+    }
+    Py_DECREF(seq);
+    if (PyErr_Occurred()) return nullptr;
+    if (!ok || (!ends.empty() && total != n)) {
+      PyObject* shown = PyObject_Repr(parts);
+      PyErr_Format(PyExc_ValueError, "reload parts %s do not split %zd copies into non-empty runs",
+                   shown ? PyUnicode_AsUTF8(shown) : "?", n);
+      Py_XDECREF(shown);
+      return nullptr;
+    }
+  }
+  if (ends.empty()) ends.push_back(n);
+  Calls calls;
+  if (!calls_of(transport, calls) || release_done(transport, calls) < 0) return nullptr;
+  Refs refs;
+  unsigned long long h2d, fence, compute;
+  if (!int_attr(transport, "_h2d_handle", h2d) || !nested_int_attr(transport, "_h2d_fence", "handle", fence))
+    return nullptr;
+  PyObject* index_obj = refs.keep(PyObject_GetAttrString(transport, "device_index"));
+  if (index_obj == nullptr) return nullptr;
+  long device_index = PyLong_AsLong(index_obj);
+  if (device_index == -1 && PyErr_Occurred()) return nullptr;
+  c10::Device device = device_index < 0 ? c10::Device(c10::kCPU)
+                                        : c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device_index));
+  std::vector<size_t> sizes(n);
+  std::vector<const void*> srcs(n);
+  long long nbytes = 0;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    long long s = PyLong_AsLongLong(PyList_GET_ITEM(sizes_obj, i));
+    if (s == -1 && PyErr_Occurred()) return nullptr;
+    PyObject* host = PyList_GET_ITEM(hosts, i);
+    if (!THPVariable_Check(host)) {
+      PyErr_SetString(PyExc_TypeError, "to_device_burst copies from host tensors only");
+      return nullptr;
+    }
+    sizes[i] = static_cast<size_t>(s);
+    srcs[i] = THPVariable_Unpack(host).data_ptr();
+    nbytes += s;
+  }
+  // Allocated on the compute stream, which is the stream that consumes and later frees them (no fill: common.h)
+  PyObject* out = refs.keep(PyList_New(n));
+  if (out == nullptr) return nullptr;
+  std::vector<void*> dsts(n);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    c10::Storage storage = fresh_storage(static_cast<int64_t>(sizes[i]), device);
+    dsts[i] = storage.mutable_data();
+    PyObject* st = THPStorage_Wrap(std::move(storage));
+    if (st == nullptr) return nullptr;
+    PyList_SET_ITEM(out, i, st);
+  }
+  if (!compute_handle(transport, compute)) return nullptr;
+  // The new blocks may be memory the compute stream has just freed and still reads.
+  int err = calls.record(as_handle(fence), as_handle(compute));
+  if (err == 0) err = calls.wait(as_handle(h2d), as_handle(fence), 0);
+  PyObject* waited = nullptr;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* event = PyList_GET_ITEM(after, i);
+    if (event == Py_None || event == waited) continue;
+    PyObject* seen = PyObject_GetAttrString(event, "seen_done");
+    int is_seen = seen ? PyObject_IsTrue(seen) : -1;
+    Py_XDECREF(seen);
+    if (is_seen < 0) return nullptr;
+    if (is_seen) continue;  // a D2H already seen complete (release_copied) needs no wait
+    // A reload reads the host copy: its own D2H must have finished (upstream bug #7398).
+    if (!wait_for(calls, h2d, event, err)) return nullptr;
+    waited = event;
+  }
+  PyObject* telemetry = nullptr;
+  PyObject* start = waits_done(transport, refs, err, h2d, telemetry);
+  if (start == nullptr) return nullptr;
+  unsigned long long reload_seq = 0;
+  if (!int_attr(transport, "reload_seq", reload_seq)) return nullptr;
+  PyObject* events = refs.keep(PyList_New(0));
+  if (events == nullptr) return nullptr;
+  Py_ssize_t first = 0;
+  for (size_t p = 0; p < ends.size(); ++p) {
+    for (Py_ssize_t i = first; i < ends[p]; ++i) {
+      err = calls.memcpy_async(dsts[i], srcs[i], sizes[i], kHostToDevice, as_handle(h2d));
+      if (err != 0) {
+        fail(transport, "cudaMemcpyAsync", err);
+        return nullptr;
+      }
+    }
+    PyObject* done = done_event(transport, calls, h2d);
+    if (done == nullptr) return nullptr;
+    // The number the handler gives this part right after (Transport.wait_reload), for to_host's reuse check
+    PyObject* seq = PyLong_FromUnsignedLongLong(reload_seq + 1 + p);
+    int rc = seq ? PyObject_SetAttrString(done, "reload_seq", seq) : -1;
+    Py_XDECREF(seq);
+    if (rc == 0) rc = PyList_Append(events, done);
+    Py_DECREF(done);
+    if (rc < 0) return nullptr;
+    first = ends[p];
+  }
+  PyObject* last = PyList_GET_ITEM(events, PyList_GET_SIZE(events) - 1);
+  if (PyObject_SetAttrString(transport, "_last_h2d_done", last) < 0 || span(telemetry, "h2d", start, last, nbytes) < 0)
+    return nullptr;
+  return PyTuple_Pack(2, out, events);
+  END_HANDLE_TH_ERRORS
+}
+
+// release_copied(transport): CudaTransport.release_copied(final=False) for the raw transport
+PyObject* module_release_copied(PyObject*, PyObject* transport) {
+  HANDLE_TH_ERRORS
+  Calls calls;
+  if (!calls_of(transport, calls) || release_done(transport, calls) < 0) return nullptr;
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+}  // namespace
+
+PyMethodDef burst_methods[] = {
+    {"to_host_burst", module_to_host_burst, METH_VARARGS,
+     "to_host_burst(transport, storages, keep_alive, routed): RawCudaTransport.to_host"},
+    {"to_device_burst", module_to_device_burst, METH_VARARGS,
+     "to_device_burst(transport, hosts, sizes, after, parts): RawCudaTransport.to_device"},
+    {"release_copied", module_release_copied, METH_O, "release_copied(transport): release_copied(final=False)"},
+    {nullptr, nullptr, 0, nullptr}};
+
+}  // namespace mco

@@ -1,0 +1,113 @@
+"""The raw transport's copy bursts in C++ (``runtime/native/bursts.cpp``) against its Python methods: on the logging
+stub CUDA runtime (``benchmarks/cpu_transport_glue.py``) both make the same CUDA calls in the same order, with the
+same events, and hand back the same bytes, buffers, burst numbers and telemetry spans. ``tests/test_stream_order.py``
+checks the hand-offs of both in training steps."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mcore_offload.runtime import cudart
+from mcore_offload.runtime import native as native_module
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import cpu_transport_glue  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def logging_runtime(tmp_path_factory):
+    if cpu_transport_glue.compiler() is None:
+        pytest.skip("no C compiler for the stub CUDA runtime")
+    if native_module.toolchain_missing():
+        pytest.skip(f"the C++ runtime cannot be built here: {native_module.toolchain_missing()}")
+    return cpu_transport_glue.stub_runtime(tmp_path_factory.mktemp("stub"), real_copies=True, log=True)
+
+
+def _transport(rt, use_cpp: bool):
+    t = cpu_transport_glue.stub_transport(rt, -1, native=True, timed_from_start=True)
+    assert t.native is not None and hasattr(t.native, "to_host_burst")
+    if not use_cpp:
+        t._native_bursts = lambda: None  # the Python methods, with the same C++ module for the rest
+    assert (t._native_bursts() is not None) == use_cpp
+    return t
+
+
+def _script(t, rt):
+    """Copy-outs, reloads in parts, buffer reuse with and without the compute stream's wait, a reload after a D2H
+    not seen complete. Returns what each call answered and the stub's call log."""
+    cpu_transport_glue.stub_calls(rt)  # clear
+    data = [torch.full((n,), i + 1, dtype=torch.uint8) for i, n in enumerate((16, 32, 8))]
+    bufs, done = t.to_host([d.untyped_storage() for d in data], data, [None, "expert_fc1", None])
+    held_after_copy = len(t._held)
+    t.release_copied()
+    t.reload_seq = 5
+    back, events = t.to_device(bufs, [16, 32, 8], [done] * 3, CPU, parts=[1, 2])
+    t.reload_seq += 2
+    t.wait_reload(events[1], 7)
+    for b, e in zip(bufs, (events[0], events[1], events[1])):
+        t.release_host(b, e)
+    more = [torch.full((n,), 7 + i, dtype=torch.uint8) for i, n in enumerate((16, 32, 8))]
+    bufs2, done2 = t.to_host([d.untyped_storage() for d in more], more, [None, "expert_fc1", None])
+    host_copies = [bytes(b[:n]) for b, n in zip(bufs2, (16, 32, 8))]
+    for b, e in zip(bufs2, (events[0], events[1], events[1])):
+        t.release_host(b, e)
+    # reuse without the compute stream's wait: the D2H waits on the reload itself
+    t.reload_seq = 9
+    _, late_events = t.to_device(bufs2[:1], [16], [None], CPU)
+    t.release_host(bufs2[0], late_events[0])
+    bufs3, _ = t.to_host([data[0].untyped_storage()], [data[0]], [None])
+    unseen = cudart.RawEvent(rt, 77, [])
+    back2, events2 = t.to_device(bufs3, [16], [unseen], CPU)
+    answers = {
+        "held_after_copy": held_after_copy,
+        "buffers": [[next((i for i, x in enumerate(bufs) if x is b), -1) for b in group] for group in (bufs2, bufs3)],
+        "back": [bytes(torch.empty(0, dtype=torch.uint8).set_(s)) for s in back + back2],
+        "reload_seq": [e.reload_seq for e in events + late_events + events2],
+        "seen": done.seen_done,
+        "last_h2d": t._last_h2d_done is events2[-1],
+        "spans": [(kind, nbytes, keep) for kind, _, _, nbytes, keep in t.telemetry._current.spans],
+        "host_copies": host_copies,
+    }
+    calls = [(c[0], *c[3:]) if c[0] == "copy" else c for c in cpu_transport_glue.stub_calls(rt)]  # no addresses
+    return answers, calls
+
+
+def test_the_cpp_bursts_make_the_python_bursts_calls_and_answers(logging_runtime):
+    py_answers, py_calls = _script(_transport(logging_runtime, use_cpp=False), logging_runtime)
+    cpp_answers, cpp_calls = _script(_transport(logging_runtime, use_cpp=True), logging_runtime)
+    assert cpp_calls == py_calls
+    assert cpp_answers == py_answers
+    # the script covers what it means to: skipped and made reuse waits, a seen D2H, one wait per unseen one
+    assert py_answers["seen"] and py_answers["reload_seq"] == [6, 7, 10, 10]
+    d2h_waits = [c for c in py_calls if c[0] == "wait" and c[1] == 1]
+    h2d_waits = [c for c in py_calls if c[0] == "wait" and c[1] == 2]
+    assert len(d2h_waits) == 4  # three fences and one reuse wait (the burst the compute stream never waited for)
+    assert ("wait", 2, 77) in h2d_waits and len(h2d_waits) == 4  # three fences and the unseen D2H
+    assert py_answers["back"][:3] == [bytes([1] * 16), bytes([2] * 32), bytes([3] * 8)]
+    assert py_answers["host_copies"] == [bytes([7] * 16), bytes([8] * 32), bytes([9] * 8)]
+
+
+def test_bad_reload_parts_are_one_sentence_on_both_paths(logging_runtime):
+    host = [torch.zeros(4, dtype=torch.uint8)] * 2
+    for use_cpp in (False, True):
+        t = _transport(logging_runtime, use_cpp)
+        with pytest.raises(ValueError, match=r"reload parts \[1, 2\] do not split 2 copies into non-empty runs"):
+            t.to_device(host, [4, 4], [None, None], CPU, parts=[1, 2])
+
+
+def test_the_cpp_bursts_step_aside_where_python_must_make_them(logging_runtime, monkeypatch):
+    t = _transport(logging_runtime, use_cpp=True)
+    t.coalesce = True
+    assert t._native_bursts() is None  # coalesced reloads
+    t.coalesce = False
+    monkeypatch.setattr(t.rt, "memcpy_batch", object())
+    assert t._native_bursts() is None  # one cudaMemcpyBatchAsync a burst
+    monkeypatch.setattr(t.rt, "memcpy_batch", None)
+    monkeypatch.setattr(t.rt, "call_addresses", None)
+    assert t._native_bursts() is None  # a runtime without C entry points (tests' fakes)
