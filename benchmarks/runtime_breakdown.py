@@ -72,21 +72,46 @@ TARGETS = [
 ]
 
 
+def _native_module() -> Any:
+    """The runtime's C++ module if it is loaded or loads (None where it does not build, or is off)."""
+    try:
+        from mcore_offload.runtime.native import load_native
+    except ImportError:
+        return None
+    return load_native()
+
+
 class RuntimeBreakdown:
     """Timing wrappers around :data:`TARGETS`; ``install`` once, ``start`` at the first timed step."""
 
     def __init__(self) -> None:
         self.ns: Counter[str] = Counter()
         self.calls: Counter[str] = Counter()
-        self.recording = False
+        self._recording = False
         self.installed: list[str] = []
+        # the C++ copy bursts' own phase times (runtime/native/bursts.cpp), read when recording stops
+        self.native_bursts: dict[str, Any] | None = None
+
+    @property
+    def recording(self) -> bool:
+        return self._recording
+
+    @recording.setter
+    def recording(self, on: bool) -> None:
+        """Start or stop timing; the C++ bursts' phase clock follows (its totals are kept when it stops)."""
+        self._recording = on
+        native = _native_module()
+        if native is not None and hasattr(native, "burst_timing"):
+            totals = native.burst_timing(on)
+            if not on:
+                self.native_bursts = totals
 
     def _wrap(self, fn: Any, label: str) -> Any:
         ns, calls = self.ns, self.calls
 
         @functools.wraps(fn)
         def timed(*args: Any, **kwargs: Any) -> Any:
-            if not self.recording:
+            if not self._recording:
                 return fn(*args, **kwargs)
             t0 = perf_counter_ns()
             try:
@@ -121,7 +146,7 @@ class RuntimeBreakdown:
     def wrapper_us(self, n: int = 20000) -> float:
         """Host cost of one wrapped call of an empty function, in microseconds."""
         probe = RuntimeBreakdown()
-        probe.recording = True
+        probe._recording = True  # the wrappers only: the C++ bursts' clock is not this probe's
         f = probe._wrap(lambda: None, "probe")
         t0 = perf_counter_ns()
         for _ in range(n):
@@ -135,4 +160,11 @@ class RuntimeBreakdown:
                     "us_per_call": round(self.ns[label] / max(self.calls[label], 1) / 1e3, 2)}
             for label, _ in self.ns.most_common()
         }
-        return {"steps": steps, "wrapper_us": round(self.wrapper_us(), 3), "functions": rows}
+        out = {"steps": steps, "wrapper_us": round(self.wrapper_us(), 3), "functions": rows}
+        if self.native_bursts is not None:  # per burst and per copy, in µs (each phase once per burst)
+            out["native_bursts"] = {
+                direction: {"bursts_per_step": round(t["bursts"] / steps, 1),
+                            "copies_per_burst": round(t["copies"] / max(t["bursts"], 1), 2),
+                            "us_per_burst": {p: round(ns / max(t["bursts"], 1) / 1e3, 2) for p, ns in t["ns"].items()}}
+                for direction, t in self.native_bursts.items()}
+        return out

@@ -111,3 +111,23 @@ def test_the_cpp_bursts_step_aside_where_python_must_make_them(logging_runtime, 
     monkeypatch.setattr(t.rt, "memcpy_batch", None)
     monkeypatch.setattr(t.rt, "call_addresses", None)
     assert t._native_bursts() is None  # a runtime without C entry points (tests' fakes)
+
+
+def test_the_burst_phase_clock_counts_bursts_and_copies_then_resets(logging_runtime):
+    """burst_timing (benchmarks/runtime_breakdown.py reads it): off, it counts nothing; on, one burst per call, its
+    copies, a time for every phase the burst went through; reading it resets it."""
+    t = _transport(logging_runtime, use_cpp=True)
+    native = t.native
+    native.burst_timing(False)
+    data = [torch.ones(8, dtype=torch.uint8) for _ in range(3)]
+    t.to_host([d.untyped_storage() for d in data], data, [None] * 3)
+    assert native.burst_timing(True)["to_host"]["bursts"] == 0  # it was off
+    bufs, done = t.to_host([d.untyped_storage() for d in data], data, [None] * 3)
+    t.to_device(bufs, [8, 8, 8], [done] * 3, CPU, parts=[2, 1])
+    got = native.burst_timing(False)
+    assert got["to_host"]["bursts"] == 1 and got["to_host"]["copies"] == 3
+    assert got["to_device"]["bursts"] == 1 and got["to_device"]["copies"] == 3
+    assert all(ns >= 0 for row in got.values() for ns in row["ns"].values())
+    assert got["to_host"]["ns"]["copies"] > 0 and got["to_device"]["ns"]["alloc"] > 0
+    assert got["to_host"]["ns"]["alloc"] == 0  # a copy-out allocates on the host, through the pool ("acquire")
+    assert native.burst_timing(False)["to_host"]["bursts"] == 0  # read and reset

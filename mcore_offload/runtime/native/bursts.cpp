@@ -36,6 +36,40 @@ struct Calls {
   EventQuery query;
 };
 
+// Host time per phase of the bursts, for benchmarks/runtime_breakdown.py (off unless burst_timing(True) turned it on):
+// which part of a burst costs what inside a training step, where every call costs several times its isolated cost.
+// ("query": release's completion queries, also counted in "release")
+enum Phase { kRelease, kQuery, kAlloc, kFence, kAcquire, kWaits, kMark, kCopies, kDone, kBook, kPhases };
+const char* const kPhaseNames[kPhases] = {"release", "query", "alloc", "fence", "acquire", "waits", "mark", "copies",
+                                          "done", "book"};
+enum Direction { kToHost, kToDevice, kDirections };
+
+struct PhaseTotals {
+  bool on = false;
+  long long ns[kDirections][kPhases] = {};
+  long long bursts[kDirections] = {};
+  long long copies[kDirections] = {};
+};
+PhaseTotals g_phases;  // process-wide diagnostic counters; burst_timing() reads and resets them
+
+// Lap times of one burst: to(phase) adds the time since the last lap to that phase
+class Lap {
+ public:
+  explicit Lap(Direction d) : d_(d), t_(g_phases.on ? now_ns() : 0) {
+    if (g_phases.on) g_phases.bursts[d_] += 1;
+  }
+  void to(Phase p) {
+    if (!g_phases.on) return;
+    int64_t n = now_ns();
+    g_phases.ns[d_][p] += n - t_;
+    t_ = n;
+  }
+
+ private:
+  Direction d_;
+  int64_t t_;
+};
+
 void* as_handle(unsigned long long v) { return reinterpret_cast<void*>(static_cast<uintptr_t>(v)); }
 
 // transport.rt.call_addresses: (cudaMemcpyAsync, cudaEventRecord, cudaStreamWaitEvent, cudaEventQuery) (false: error)
@@ -97,7 +131,7 @@ void fail(PyObject* transport, const char* what, int err) {
 
 // CudaTransport.release_copied without ``final``: the held D2H bursts seen complete, oldest first, are dropped (their
 // device blocks go back to the allocator) and their done events marked seen. 0, or -1 with an error set
-int release_done(PyObject* transport, const Calls& calls) {
+int release_done(PyObject* transport, const Calls& calls, Direction d) {
   PyObject* held = PyObject_GetAttrString(transport, "_held");
   if (held == nullptr) return -1;
   int rc = 0;
@@ -117,7 +151,9 @@ int release_done(PyObject* transport, const Calls& calls) {
       rc = -1;
       break;
     }
+    int64_t t0 = g_phases.on ? now_ns() : 0;
     int err = calls.query(as_handle(handle));
+    if (g_phases.on) g_phases.ns[d][kQuery] += now_ns() - t0;
     if (err == kNotReady) {
       Py_DECREF(first);
       break;
@@ -218,8 +254,10 @@ PyObject* module_to_host_burst(PyObject*, PyObject* args) {
     PyErr_SetString(PyExc_ValueError, "to_host_burst: one routed key per storage");
     return nullptr;
   }
+  Lap lap(kToHost);
   Calls calls;
-  if (!calls_of(transport, calls) || release_done(transport, calls) < 0) return nullptr;
+  if (!calls_of(transport, calls) || release_done(transport, calls, kToHost) < 0) return nullptr;
+  lap.to(kRelease);
   Refs refs;
   unsigned long long d2h, fence, compute;
   if (!int_attr(transport, "_d2h_handle", d2h) || !nested_int_attr(transport, "_d2h_fence", "handle", fence) ||
@@ -242,6 +280,7 @@ PyObject* module_to_host_burst(PyObject*, PyObject* args) {
     sizes[i] = storage.nbytes();
     nbytes += static_cast<long long>(sizes[i]);
   }
+  lap.to(kFence);
   PyObject* pool = refs.keep(PyObject_GetAttrString(transport, "pool"));
   PyObject* acquire = pool ? refs.keep(PyObject_GetAttrString(pool, "acquire_base")) : nullptr;
   PyObject* bufs = acquire ? refs.keep(PyList_New(n)) : nullptr;
@@ -265,6 +304,7 @@ PyObject* module_to_host_burst(PyObject*, PyObject* args) {
     PyList_SET_ITEM(bufs, i, buf);
     reuse_events[i] = PyTuple_GET_ITEM(answer, 1);
   }
+  lap.to(kAcquire);
   // A reused buffer's previous H2D must have read it before we overwrite it, unless the compute stream already
   // waited for that reload burst or a later one (the fence above, recorded after that wait, orders this burst).
   long long ordered = 0;
@@ -292,9 +332,11 @@ PyObject* module_to_host_burst(PyObject*, PyObject* args) {
     if (!wait_for(calls, d2h, event, err)) return nullptr;
     waited = event;
   }
+  lap.to(kWaits);
   PyObject* telemetry = nullptr;
   PyObject* start = waits_done(transport, refs, err, d2h, telemetry);
   if (start == nullptr) return nullptr;
+  lap.to(kMark);
   for (Py_ssize_t i = 0; i < n; ++i) {
     void* dst = THPVariable_Unpack(PyList_GET_ITEM(bufs, i)).data_ptr();
     err = calls.memcpy_async(dst, srcs[i], sizes[i], kDeviceToHost, as_handle(d2h));
@@ -303,8 +345,11 @@ PyObject* module_to_host_burst(PyObject*, PyObject* args) {
       return nullptr;
     }
   }
+  lap.to(kCopies);
+  if (g_phases.on) g_phases.copies[kToHost] += n;
   PyObject* done = refs.keep(done_event(transport, calls, d2h));
   if (done == nullptr) return nullptr;
+  lap.to(kDone);
   // The caching allocator must not hand these blocks out before the copy has read them (release_copied).
   PyObject* held = refs.keep(PyObject_GetAttrString(transport, "_held"));
   PyObject* pair = held ? refs.keep(PyTuple_Pack(2, done, keep_alive)) : nullptr;
@@ -312,6 +357,7 @@ PyObject* module_to_host_burst(PyObject*, PyObject* args) {
   if (r == nullptr) return nullptr;
   Py_DECREF(r);
   if (span(telemetry, "d2h", start, done, nbytes) < 0) return nullptr;
+  lap.to(kBook);
   return PyTuple_Pack(2, bufs, done);
   END_HANDLE_TH_ERRORS
 }
@@ -352,8 +398,10 @@ PyObject* module_to_device_burst(PyObject*, PyObject* args) {
     }
   }
   if (ends.empty()) ends.push_back(n);
+  Lap lap(kToDevice);
   Calls calls;
-  if (!calls_of(transport, calls) || release_done(transport, calls) < 0) return nullptr;
+  if (!calls_of(transport, calls) || release_done(transport, calls, kToDevice) < 0) return nullptr;
+  lap.to(kRelease);
   Refs refs;
   unsigned long long h2d, fence, compute;
   if (!int_attr(transport, "_h2d_handle", h2d) || !nested_int_attr(transport, "_h2d_fence", "handle", fence))
@@ -390,10 +438,12 @@ PyObject* module_to_device_burst(PyObject*, PyObject* args) {
     if (st == nullptr) return nullptr;
     PyList_SET_ITEM(out, i, st);
   }
+  lap.to(kAlloc);
   if (!compute_handle(transport, compute)) return nullptr;
   // The new blocks may be memory the compute stream has just freed and still reads.
   int err = calls.record(as_handle(fence), as_handle(compute));
   if (err == 0) err = calls.wait(as_handle(h2d), as_handle(fence), 0);
+  lap.to(kFence);
   PyObject* waited = nullptr;
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* event = PyList_GET_ITEM(after, i);
@@ -407,9 +457,11 @@ PyObject* module_to_device_burst(PyObject*, PyObject* args) {
     if (!wait_for(calls, h2d, event, err)) return nullptr;
     waited = event;
   }
+  lap.to(kWaits);
   PyObject* telemetry = nullptr;
   PyObject* start = waits_done(transport, refs, err, h2d, telemetry);
   if (start == nullptr) return nullptr;
+  lap.to(kMark);
   unsigned long long reload_seq = 0;
   if (!int_attr(transport, "reload_seq", reload_seq)) return nullptr;
   PyObject* events = refs.keep(PyList_New(0));
@@ -423,6 +475,7 @@ PyObject* module_to_device_burst(PyObject*, PyObject* args) {
         return nullptr;
       }
     }
+    lap.to(kCopies);
     PyObject* done = done_event(transport, calls, h2d);
     if (done == nullptr) return nullptr;
     // The number the handler gives this part right after (Transport.wait_reload), for to_host's reuse check
@@ -433,10 +486,13 @@ PyObject* module_to_device_burst(PyObject*, PyObject* args) {
     Py_DECREF(done);
     if (rc < 0) return nullptr;
     first = ends[p];
+    lap.to(kDone);
   }
+  if (g_phases.on) g_phases.copies[kToDevice] += n;
   PyObject* last = PyList_GET_ITEM(events, PyList_GET_SIZE(events) - 1);
   if (PyObject_SetAttrString(transport, "_last_h2d_done", last) < 0 || span(telemetry, "h2d", start, last, nbytes) < 0)
     return nullptr;
+  lap.to(kBook);
   return PyTuple_Pack(2, out, events);
   END_HANDLE_TH_ERRORS
 }
@@ -445,14 +501,41 @@ PyObject* module_to_device_burst(PyObject*, PyObject* args) {
 PyObject* module_release_copied(PyObject*, PyObject* transport) {
   HANDLE_TH_ERRORS
   Calls calls;
-  if (!calls_of(transport, calls) || release_done(transport, calls) < 0) return nullptr;
+  if (!calls_of(transport, calls) || release_done(transport, calls, kToHost) < 0) return nullptr;
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
+}
+
+// burst_timing(on): the phase totals so far ({"to_host": {"bursts", "copies", "ns": {phase: ns}}, "to_device": ...}),
+// then zeroed, and timing turned on or off (benchmarks/runtime_breakdown.py; tests)
+PyObject* module_burst_timing(PyObject*, PyObject* on_obj) {
+  int on = PyObject_IsTrue(on_obj);
+  if (on < 0) return nullptr;
+  PyObject* out = PyDict_New();
+  const char* names[kDirections] = {"to_host", "to_device"};
+  for (int d = 0; out != nullptr && d < kDirections; ++d) {
+    PyObject* ns = PyDict_New();
+    for (int p = 0; ns != nullptr && p < kPhases; ++p) {
+      PyObject* v = PyLong_FromLongLong(g_phases.ns[d][p]);
+      if (v == nullptr || PyDict_SetItemString(ns, kPhaseNames[p], v) < 0) Py_CLEAR(ns);
+      Py_XDECREF(v);
+    }
+    PyObject* row = ns ? Py_BuildValue("{s:L,s:L,s:N}", "bursts", g_phases.bursts[d], "copies", g_phases.copies[d],
+                                       "ns", ns)
+                       : nullptr;
+    if (row == nullptr || PyDict_SetItemString(out, names[d], row) < 0) Py_CLEAR(out);
+    Py_XDECREF(row);
+  }
+  if (out == nullptr) return nullptr;
+  g_phases = PhaseTotals();
+  g_phases.on = on != 0;
+  return out;
 }
 
 }  // namespace
 
 PyMethodDef burst_methods[] = {
+    {"burst_timing", module_burst_timing, METH_O, "burst_timing(on): the bursts' phase times so far, then reset"},
     {"to_host_burst", module_to_host_burst, METH_VARARGS,
      "to_host_burst(transport, storages, keep_alive, routed): RawCudaTransport.to_host"},
     {"to_device_burst", module_to_device_burst, METH_VARARGS,
