@@ -64,6 +64,12 @@ def _script(t, rt):
     bufs3, _ = t.to_host([data[0].untyped_storage()], [data[0]], [None])
     unseen = cudart.RawEvent(rt, 77, [])
     back2, events2 = t.to_device(bufs3, [16], [unseen], CPU)
+    # the pool's other answers: a free buffer of a larger class (searched), a routed request its buffers do not fit
+    big, small, routed_big = (torch.full((n,), v, dtype=torch.uint8) for n, v in ((5000, 5), (4500, 6), (1000, 4)))
+    got_big, _ = t.to_host([big.untyped_storage()], [big], [None])
+    t.release_host(got_big[0], None)
+    got_small, _ = t.to_host([small.untyped_storage()], [small], [None])
+    got_routed, _ = t.to_host([routed_big.untyped_storage()], [routed_big], ["expert_fc1"])
     answers = {
         "held_after_copy": held_after_copy,
         "buffers": [[next((i for i, x in enumerate(bufs) if x is b), -1) for b in group] for group in (bufs2, bufs3)],
@@ -73,6 +79,9 @@ def _script(t, rt):
         "last_h2d": t._last_h2d_done is events2[-1],
         "spans": [(kind, nbytes, keep) for kind, _, _, nbytes, keep in t.telemetry._current.spans],
         "host_copies": host_copies,
+        "searched": got_small[0] is got_big[0] and got_small[0].numel() == 5120,
+        "routed_grew": got_routed[0].numel() >= 1000 and t.pool._routed_largest["expert_fc1"] == 1000,
+        "allocations": t.pool.allocations,
     }
     calls = [(c[0], *c[3:]) if c[0] == "copy" else c for c in cpu_transport_glue.stub_calls(rt)]  # no addresses
     return answers, calls
@@ -85,9 +94,10 @@ def test_the_cpp_bursts_make_the_python_bursts_calls_and_answers(logging_runtime
     assert cpp_answers == py_answers
     # the script covers what it means to: skipped and made reuse waits, a seen D2H, one wait per unseen one
     assert py_answers["seen"] and py_answers["reload_seq"] == [6, 7, 10, 10]
+    assert py_answers["searched"] and py_answers["routed_grew"]
     d2h_waits = [c for c in py_calls if c[0] == "wait" and c[1] == 1]
     h2d_waits = [c for c in py_calls if c[0] == "wait" and c[1] == 2]
-    assert len(d2h_waits) == 4  # three fences and one reuse wait (the burst the compute stream never waited for)
+    assert len(d2h_waits) == 7  # six fences and one reuse wait (the burst the compute stream never waited for)
     assert ("wait", 2, 77) in h2d_waits and len(h2d_waits) == 4  # three fences and the unseen D2H
     assert py_answers["back"][:3] == [bytes([1] * 16), bytes([2] * 32), bytes([3] * 8)]
     assert py_answers["host_copies"] == [bytes([7] * 16), bytes([8] * 32), bytes([9] * 8)]

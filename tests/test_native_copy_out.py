@@ -235,3 +235,38 @@ def test_the_cpp_reload_does_what_the_python_reload_does(module, monkeypatch, tr
     assert calls == [([16, 32, 8], ["d2h0", "d2h1", "d2h2"], [1, 1, 1])] and seq == 8
     assert fields == [(16, "event1.0", 6, False, False), (32, "event1.1", 7, False, False),
                       (8, "event1.2", 8, False, False)]
+
+
+@pytest.mark.parametrize("tracing", [False, True])
+def test_released_counters_are_counted_in_cpp_unless_the_summary_traces_the_peak(module, monkeypatch, tracing):
+    """The release callback counts in C++ what manager.on_released counts (the counters above, and the bytes off the
+    device); while the summary traces the peak (each change reads the allocator) it calls the Python method."""
+    from mcore_offload.runtime.manager import OffloadManager
+
+    calls: list = []
+    on_released = OffloadManager.on_released
+
+    def counted(self, entry, during_forward):
+        calls.append(entry.nbytes)
+        return on_released(self, entry, during_forward)
+
+    monkeypatch.setattr(OffloadManager, "on_released", counted)
+    off_device: list = []
+    reset()
+    summary = get_summary()
+    if tracing:
+        summary.track_peak(lambda: 0)
+    from mcore_offload.runtime.handler import ChunkOffloadHandler
+
+    def watching(self, *runs, on_demand=False):  # the bytes off the device just before each reload
+        off_device.append(get_summary().off_device_bytes)
+        return reload(self, *runs, on_demand=on_demand)
+
+    reload = ChunkOffloadHandler._reload
+    monkeypatch.setattr(ChunkOffloadHandler, "_reload", watching)
+    run(["qkv_linear", "core_attn", "attn_proj"], steps=1, microbatches=1)
+    last = get_summary().last_step.points
+    released = sum(c["released_in_forward"] for c in last.values())
+    assert released == sum(c["offloaded"] for c in last.values()) > 0
+    assert (sum(calls) == released) if tracing else not calls
+    assert max(off_device) > 0 and get_summary().off_device_bytes == 0

@@ -17,6 +17,8 @@
 
 #include "common.h"
 
+#include <algorithm>
+
 namespace mco {
 namespace {
 
@@ -243,6 +245,64 @@ PyObject* waits_done(PyObject* transport, Refs& refs, int err, unsigned long lon
   return telemetry ? refs.keep(mark(telemetry, stream)) : nullptr;
 }
 
+// host_pool.size_class: ``nbytes`` rounded up to 1/8 of its power of two, at least 512-byte granules
+long long size_class(long long nbytes) {
+  int bits = 0;
+  for (unsigned long long v = static_cast<unsigned long long>(nbytes); v != 0; v >>= 1) ++bits;
+  long long granule = 1LL << std::max(bits - 4, 9);
+  return (nbytes + granule - 1) / granule * granule;
+}
+
+// The last item of ``free`` (a list of (buffer, event) pairs) taken off it, as a new reference
+PyObject* pop_last(PyObject* free) {
+  Py_ssize_t k = PyList_GET_SIZE(free) - 1;
+  PyObject* item = PyList_GET_ITEM(free, k);
+  Py_INCREF(item);
+  if (PyList_SetSlice(free, k, k + 1, nullptr) < 0) {
+    Py_DECREF(item);
+    return nullptr;
+  }
+  return item;
+}
+
+// HostBufferPool.acquire_base's common cases without its Python frame: a free buffer of the request's own size class,
+// or, for a routed key, the key's last free buffer where it fits (and the key's largest request raised, as there).
+// A new (buffer, event) reference; nullptr without an error: the Python method decides (a search through larger
+// classes, an allocation, a routed buffer that does not fit); nullptr with an error set: an error
+PyObject* acquire_fast(PyObject* pool, long long nbytes, PyObject* routed) {
+  if (routed == Py_None) {
+    PyObject* free_by_class = PyObject_GetAttrString(pool, "_free");
+    PyObject* key = free_by_class ? PyLong_FromLongLong(size_class(nbytes)) : nullptr;
+    PyObject* free = key && PyDict_Check(free_by_class) ? PyDict_GetItemWithError(free_by_class, key) : nullptr;
+    PyObject* out = free && PyList_Check(free) && PyList_GET_SIZE(free) > 0 ? pop_last(free) : nullptr;
+    Py_XDECREF(key);
+    Py_XDECREF(free_by_class);
+    return out;
+  }
+  PyObject* largest = PyObject_GetAttrString(pool, "_routed_largest");
+  PyObject* free_by_key = largest ? PyObject_GetAttrString(pool, "_routed_free") : nullptr;
+  PyObject* out = nullptr;
+  if (free_by_key != nullptr && PyDict_Check(largest) && PyDict_Check(free_by_key)) {
+    PyObject* seen = PyDict_GetItemWithError(largest, routed);  // borrowed
+    long long most = seen == nullptr ? 0 : PyLong_AsLongLong(seen);
+    bool ok = !PyErr_Occurred();
+    if (ok && nbytes > most) {
+      PyObject* n = PyLong_FromLongLong(nbytes);
+      ok = n != nullptr && PyDict_SetItem(largest, routed, n) == 0;
+      Py_XDECREF(n);
+    }
+    PyObject* free = ok ? PyDict_GetItemWithError(free_by_key, routed) : nullptr;
+    if (free != nullptr && PyList_Check(free) && PyList_GET_SIZE(free) > 0) {
+      PyObject* last = PyList_GET_ITEM(free, PyList_GET_SIZE(free) - 1);
+      PyObject* buf = PyTuple_Check(last) && PyTuple_GET_SIZE(last) == 2 ? PyTuple_GET_ITEM(last, 0) : nullptr;
+      if (buf != nullptr && THPVariable_Check(buf) && THPVariable_Unpack(buf).numel() >= nbytes) out = pop_last(free);
+    }
+  }
+  Py_XDECREF(free_by_key);
+  Py_XDECREF(largest);
+  return out;
+}
+
 // to_host_burst(transport, storages, keep_alive, routed) -> (host buffers, done event): RawCudaTransport.to_host
 PyObject* module_to_host_burst(PyObject*, PyObject* args) {
   HANDLE_TH_ERRORS
@@ -289,8 +349,10 @@ PyObject* module_to_host_burst(PyObject*, PyObject* args) {
   PyObject* answers = refs.keep(PyList_New(0));
   if (answers == nullptr) return nullptr;
   for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* answer = PyObject_CallFunction(acquire, "nO", static_cast<Py_ssize_t>(sizes[i]),
-                                             PyList_GET_ITEM(routed, i));
+    PyObject* answer = acquire_fast(pool, static_cast<long long>(sizes[i]), PyList_GET_ITEM(routed, i));
+    if (answer == nullptr && PyErr_Occurred()) return nullptr;
+    if (answer == nullptr)
+      answer = PyObject_CallFunction(acquire, "nO", static_cast<Py_ssize_t>(sizes[i]), PyList_GET_ITEM(routed, i));
     if (answer == nullptr) return nullptr;
     int rc = PyList_Append(answers, answer);
     Py_DECREF(answer);

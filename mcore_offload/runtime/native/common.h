@@ -53,6 +53,9 @@ extern PyObject* s_h2d_seq;
 extern PyObject* s_point;
 extern PyObject* s_off_device;
 extern PyObject* s_reload_seq;
+extern PyObject* s_released_in_forward;
+extern PyObject* s_released_late;
+extern PyObject* s_off_device_bytes;
 
 // a Python string to intern into a global slot (module.cpp: intern_names, each text into its slot; false: error set)
 struct NameSlot {

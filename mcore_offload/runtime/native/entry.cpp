@@ -132,6 +132,64 @@ void released_dealloc(Released* self) {
   Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
 }
 
+// dict[key] += delta, from 0 where the key is missing (-1: error)
+int add_to_item(PyObject* dict, PyObject* key, long long delta) {
+  PyObject* cur = PyDict_GetItemWithError(dict, key);  // borrowed
+  if (cur == nullptr && PyErr_Occurred()) return -1;
+  long long base = cur == nullptr ? 0 : PyLong_AsLongLong(cur);
+  if (base == -1 && PyErr_Occurred()) return -1;
+  PyObject* sum = PyLong_FromLongLong(base + delta);
+  int rc = sum ? PyDict_SetItem(dict, key, sum) : -1;
+  Py_XDECREF(sum);
+  return rc;
+}
+
+// manager.on_released(entry, during_forward) where the summary traces no peak (its _peak_reader and off_by_key are
+// None): summary.add(point, released_in_forward / released_late, nbytes), and for an entry whose only copy is now
+// on the host, entry.off_device = True and summary.off_device_bytes += nbytes; what the Python method does there,
+// without its three Python frames per storage. 1: done, 0: the summary traces (the caller calls the method), -1: error
+int count_released(PyObject* manager, PyObject* entry, bool during_forward) {
+  PyObject* summary = PyObject_GetAttrString(manager, "summary");
+  if (summary == nullptr) return -1;
+  PyObject* reader = PyObject_GetAttrString(summary, "_peak_reader");
+  PyObject* by_key = reader ? PyObject_GetAttrString(summary, "off_by_key") : nullptr;
+  bool tracing = reader == nullptr || by_key == nullptr || reader != Py_None || by_key != Py_None;
+  Py_XDECREF(reader);
+  Py_XDECREF(by_key);
+  if (PyErr_Occurred() || tracing) {
+    Py_DECREF(summary);
+    return PyErr_Occurred() ? -1 : 0;
+  }
+  PyObject* current = PyObject_GetAttrString(summary, "_current");  // a defaultdict: point -> counters
+  PyObject* point = current ? PyObject_GetAttr(entry, s_point) : nullptr;
+  PyObject* counters = point ? PyObject_GetItem(current, point) : nullptr;
+  PyObject* nbytes_obj = counters ? PyObject_GetAttr(entry, s_nbytes) : nullptr;
+  long long nbytes = nbytes_obj ? PyLong_AsLongLong(nbytes_obj) : -1;
+  int rc = nbytes == -1 && PyErr_Occurred() ? -1 : 0;
+  if (rc == 0 && !PyDict_Check(counters)) {
+    PyErr_SetString(PyExc_TypeError, "summary._current must map points to dicts of counters");
+    rc = -1;
+  }
+  if (rc == 0) rc = add_to_item(counters, during_forward ? s_released_in_forward : s_released_late, nbytes);
+  PyObject* host = rc == 0 ? PyObject_GetAttr(entry, s_host) : nullptr;
+  PyObject* device = host ? PyObject_GetAttr(entry, s_device_storage) : nullptr;
+  if (device == nullptr) {
+    rc = -1;
+  } else if (host != Py_None && device == Py_None) {
+    rc = PyObject_SetAttr(entry, s_off_device, Py_True) < 0 || add_to_attr(summary, s_off_device_bytes, nbytes) < 0
+             ? -1
+             : 0;
+  }
+  Py_XDECREF(host);
+  Py_XDECREF(device);
+  Py_XDECREF(nbytes_obj);
+  Py_XDECREF(counters);
+  Py_XDECREF(point);
+  Py_XDECREF(current);
+  Py_DECREF(summary);
+  return rc < 0 ? -1 : 1;
+}
+
 PyObject* released_vectorcall(PyObject* obj, PyObject* const*, size_t, PyObject*) {
   HANDLE_TH_ERRORS
   Released* self = reinterpret_cast<Released*>(obj);
@@ -148,7 +206,14 @@ PyObject* released_vectorcall(PyObject* obj, PyObject* const*, size_t, PyObject*
   if (backward < 0) return nullptr;
   PyObject* manager = PyObject_GetAttrString(self->handler, "manager");
   if (manager == nullptr) return nullptr;
-  PyObject* out = PyObject_CallMethod(manager, "on_released", "OO", self->entry, backward ? Py_False : Py_True);
+  int counted = count_released(manager, self->entry, !backward);
+  PyObject* out = nullptr;
+  if (counted == 1) {
+    Py_INCREF(Py_None);
+    out = Py_None;
+  } else if (counted == 0) {
+    out = PyObject_CallMethod(manager, "on_released", "OO", self->entry, backward ? Py_False : Py_True);
+  }
   Py_DECREF(manager);
   return out;
   END_HANDLE_TH_ERRORS

@@ -32,6 +32,9 @@ PyObject* s_h2d_seq;
 PyObject* s_point;
 PyObject* s_off_device;
 PyObject* s_reload_seq;
+PyObject* s_released_in_forward;
+PyObject* s_released_late;
+PyObject* s_off_device_bytes;
 
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -178,6 +181,9 @@ bool intern_all() {
                                    {&s_h2d_seq, "h2d_seq"},
                                    {&s_point, "point"},
                                    {&s_off_device, "off_device"},
+                                   {&s_released_in_forward, "released_in_forward"},
+                                   {&s_released_late, "released_late"},
+                                   {&s_off_device_bytes, "off_device_bytes"},
                                    {&s_reload_seq, "reload_seq"}};
   return intern_names(names, sizeof(names) / sizeof(names[0]));
 }
