@@ -462,16 +462,21 @@ class ChunkOffloadHandler(HandlerBase):
         logger.debug("chunk vp=%s mb=%d finished: %d/%d groups done", self.vp_stage, self.microbatch,
                      sum(g.done for g in self.groups), len(self.groups))
         seen: set[int] = set()
+        freed: list[Entry] = []
+        release_host = self.transport.release_host
         for group in self.groups:
             for entry in group.entries:
                 if id(entry) in seen or entry.host is None:
                     continue
                 seen.add(id(entry))
                 # The next writer of this buffer waits for the last copy that read it.
-                self.transport.release_host(entry.host, entry.h2d_event)
-                self.manager.on_host_freed(entry)
-                entry.host = None
-                entry.device_storage = None
+                release_host(entry.host, entry.h2d_event)
+                freed.append(entry)
+        if freed:
+            self.manager.on_hosts_freed(freed)  # reads off_device before the loop below
+        for entry in freed:
+            entry.host = None
+            entry.device_storage = None
         # Drop every reference we hold: tensors kept on the device (last layer, aliased storages) must go
         # when autograd lets go of them, not when the cyclic garbage collector gets round to this handler.
         # After a fault the abandoned graph still holds our SavedRefs, and GroupStart's ctx holds the group:

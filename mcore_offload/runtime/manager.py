@@ -423,9 +423,14 @@ class OffloadManager:
             self.summary.add(entry.point, "reloaded_on_demand", entry.nbytes)
         self._back_on_device(entry)
 
-    def on_host_freed(self, entry: Entry) -> None:
-        self.summary.host_resident(-entry.nbytes)
-        self._back_on_device(entry)  # an aborted step never reloads: the bytes are simply gone
+    def on_hosts_freed(self, entries: list[Entry]) -> None:
+        """A chunk's host copies went back to the pool (its finish): one count for all of them (a fall of the
+        host-resident bytes moves no peak), and each entry still counted off the device comes back (an aborted step
+        never reloads: the bytes are simply gone)."""
+        self.summary.host_resident(-sum(e.nbytes for e in entries))
+        for entry in entries:
+            if entry.off_device:
+                self._back_on_device(entry)
 
     def _back_on_device(self, entry: Entry) -> None:
         if entry.off_device:
