@@ -1,8 +1,9 @@
 """The runtime's per-tensor and per-storage steps in C++ (``hooks.cpp``: the saved-tensor hooks; ``copy_path.cpp``,
 ``held_checks.cpp`` and ``entry.cpp``: the copy-out; ``copy_calls.cpp``: the transport's copy loop and reload
-allocations; ``bursts.cpp``: the raw transport's copy bursts whole; ``reload.cpp``: the reload's bookkeeping;
-``node_hooks.cpp``: the group hooks on autograd nodes; ``module.cpp``: the module and what they share), built on
-first use with PyTorch's extension builder.
+allocations; ``bursts.cpp``: the raw transport's copy bursts whole, with ``pool_calls.cpp`` (the pool's common
+answers) and ``burst_clock.cpp`` (their phase clock); ``reload.cpp``: the reload's bookkeeping; ``node_hooks.cpp``:
+the group hooks on autograd nodes; ``module.cpp``: the module and what they share), built on first use with PyTorch's
+extension builder.
 
 Why: in a launch-bound step (config A on an H100) the runtime's host time is step time, and some of its steps run once
 per saved tensor or per storage: the pack and unpack hooks (6.8 and 6.7 µs each in Python, 1,856 calls per step in
@@ -44,7 +45,8 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("module.cpp", "hooks.cpp", "copy_path.cpp", "held_checks.cpp", "copy_calls.cpp",
-                             "bursts.cpp", "entry.cpp", "reload.cpp", "node_hooks.cpp"))
+                             "bursts.cpp", "pool_calls.cpp", "burst_clock.cpp", "entry.cpp", "reload.cpp",
+                             "node_hooks.cpp"))
 HEADERS = (Path(__file__).with_name("common.h"),)
 MODES = ("auto", "0", "1")
 

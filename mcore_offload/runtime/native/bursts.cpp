@@ -13,11 +13,10 @@
 // The CUDA runtime's entry points are called at the addresses CudaRuntime read from the library PyTorch has loaded
 // (transport.rt.call_addresses). The objects stay the Python ones: the pool, the events (RawEvent, from the transport's
 // pool), the held deque, the telemetry. So the Python methods and these make the same calls in the same order with the
-// same events; tests/test_stream_order.py checks the hand-offs from the calls of both.
+// same events; tests/test_stream_order.py checks the hand-offs from the calls of both. The pool's common answers are
+// in pool_calls.cpp, the bursts' phase clock in burst_clock.cpp.
 
 #include "common.h"
-
-#include <algorithm>
 
 namespace mco {
 namespace {
@@ -36,40 +35,6 @@ struct Calls {
   EventRecord record;
   StreamWait wait;
   EventQuery query;
-};
-
-// Host time per phase of the bursts, for benchmarks/runtime_breakdown.py (off unless burst_timing(True) turned it on):
-// which part of a burst costs what inside a training step, where every call costs several times its isolated cost.
-// ("query": release's completion queries, also counted in "release")
-enum Phase { kRelease, kQuery, kAlloc, kFence, kAcquire, kWaits, kMark, kCopies, kDone, kBook, kPhases };
-const char* const kPhaseNames[kPhases] = {"release", "query", "alloc", "fence", "acquire", "waits", "mark", "copies",
-                                          "done", "book"};
-enum Direction { kToHost, kToDevice, kDirections };
-
-struct PhaseTotals {
-  bool on = false;
-  long long ns[kDirections][kPhases] = {};
-  long long bursts[kDirections] = {};
-  long long copies[kDirections] = {};
-};
-PhaseTotals g_phases;  // process-wide diagnostic counters; burst_timing() reads and resets them
-
-// Lap times of one burst: to(phase) adds the time since the last lap to that phase
-class Lap {
- public:
-  explicit Lap(Direction d) : d_(d), t_(g_phases.on ? now_ns() : 0) {
-    if (g_phases.on) g_phases.bursts[d_] += 1;
-  }
-  void to(Phase p) {
-    if (!g_phases.on) return;
-    int64_t n = now_ns();
-    g_phases.ns[d_][p] += n - t_;
-    t_ = n;
-  }
-
- private:
-  Direction d_;
-  int64_t t_;
 };
 
 void* as_handle(unsigned long long v) { return reinterpret_cast<void*>(static_cast<uintptr_t>(v)); }
@@ -133,7 +98,7 @@ void fail(PyObject* transport, const char* what, int err) {
 
 // CudaTransport.release_copied without ``final``: the held D2H bursts seen complete, oldest first, are dropped (their
 // device blocks go back to the allocator) and their done events marked seen. 0, or -1 with an error set
-int release_done(PyObject* transport, const Calls& calls, Direction d) {
+int release_done(PyObject* transport, const Calls& calls, BurstDirection d) {
   PyObject* held = PyObject_GetAttrString(transport, "_held");
   if (held == nullptr) return -1;
   int rc = 0;
@@ -153,9 +118,9 @@ int release_done(PyObject* transport, const Calls& calls, Direction d) {
       rc = -1;
       break;
     }
-    int64_t t0 = g_phases.on ? now_ns() : 0;
+    int64_t t0 = burst_clock_on() ? now_ns() : 0;
     int err = calls.query(as_handle(handle));
-    if (g_phases.on) g_phases.ns[d][kQuery] += now_ns() - t0;
+    if (t0 != 0) burst_time(d, kQuery, now_ns() - t0);
     if (err == kNotReady) {
       Py_DECREF(first);
       break;
@@ -245,64 +210,6 @@ PyObject* waits_done(PyObject* transport, Refs& refs, int err, unsigned long lon
   return telemetry ? refs.keep(mark(telemetry, stream)) : nullptr;
 }
 
-// host_pool.size_class: ``nbytes`` rounded up to 1/8 of its power of two, at least 512-byte granules
-long long size_class(long long nbytes) {
-  int bits = 0;
-  for (unsigned long long v = static_cast<unsigned long long>(nbytes); v != 0; v >>= 1) ++bits;
-  long long granule = 1LL << std::max(bits - 4, 9);
-  return (nbytes + granule - 1) / granule * granule;
-}
-
-// The last item of ``free`` (a list of (buffer, event) pairs) taken off it, as a new reference
-PyObject* pop_last(PyObject* free) {
-  Py_ssize_t k = PyList_GET_SIZE(free) - 1;
-  PyObject* item = PyList_GET_ITEM(free, k);
-  Py_INCREF(item);
-  if (PyList_SetSlice(free, k, k + 1, nullptr) < 0) {
-    Py_DECREF(item);
-    return nullptr;
-  }
-  return item;
-}
-
-// HostBufferPool.acquire_base's common cases without its Python frame: a free buffer of the request's own size class,
-// or, for a routed key, the key's last free buffer where it fits (and the key's largest request raised, as there).
-// A new (buffer, event) reference; nullptr without an error: the Python method decides (a search through larger
-// classes, an allocation, a routed buffer that does not fit); nullptr with an error set: an error
-PyObject* acquire_fast(PyObject* pool, long long nbytes, PyObject* routed) {
-  if (routed == Py_None) {
-    PyObject* free_by_class = PyObject_GetAttrString(pool, "_free");
-    PyObject* key = free_by_class ? PyLong_FromLongLong(size_class(nbytes)) : nullptr;
-    PyObject* free = key && PyDict_Check(free_by_class) ? PyDict_GetItemWithError(free_by_class, key) : nullptr;
-    PyObject* out = free && PyList_Check(free) && PyList_GET_SIZE(free) > 0 ? pop_last(free) : nullptr;
-    Py_XDECREF(key);
-    Py_XDECREF(free_by_class);
-    return out;
-  }
-  PyObject* largest = PyObject_GetAttrString(pool, "_routed_largest");
-  PyObject* free_by_key = largest ? PyObject_GetAttrString(pool, "_routed_free") : nullptr;
-  PyObject* out = nullptr;
-  if (free_by_key != nullptr && PyDict_Check(largest) && PyDict_Check(free_by_key)) {
-    PyObject* seen = PyDict_GetItemWithError(largest, routed);  // borrowed
-    long long most = seen == nullptr ? 0 : PyLong_AsLongLong(seen);
-    bool ok = !PyErr_Occurred();
-    if (ok && nbytes > most) {
-      PyObject* n = PyLong_FromLongLong(nbytes);
-      ok = n != nullptr && PyDict_SetItem(largest, routed, n) == 0;
-      Py_XDECREF(n);
-    }
-    PyObject* free = ok ? PyDict_GetItemWithError(free_by_key, routed) : nullptr;
-    if (free != nullptr && PyList_Check(free) && PyList_GET_SIZE(free) > 0) {
-      PyObject* last = PyList_GET_ITEM(free, PyList_GET_SIZE(free) - 1);
-      PyObject* buf = PyTuple_Check(last) && PyTuple_GET_SIZE(last) == 2 ? PyTuple_GET_ITEM(last, 0) : nullptr;
-      if (buf != nullptr && THPVariable_Check(buf) && THPVariable_Unpack(buf).numel() >= nbytes) out = pop_last(free);
-    }
-  }
-  Py_XDECREF(free_by_key);
-  Py_XDECREF(largest);
-  return out;
-}
-
 // to_host_burst(transport, storages, keep_alive, routed) -> (host buffers, done event): RawCudaTransport.to_host
 PyObject* module_to_host_burst(PyObject*, PyObject* args) {
   HANDLE_TH_ERRORS
@@ -314,7 +221,7 @@ PyObject* module_to_host_burst(PyObject*, PyObject* args) {
     PyErr_SetString(PyExc_ValueError, "to_host_burst: one routed key per storage");
     return nullptr;
   }
-  Lap lap(kToHost);
+  BurstLap lap(kToHost);
   Calls calls;
   if (!calls_of(transport, calls) || release_done(transport, calls, kToHost) < 0) return nullptr;
   lap.to(kRelease);
@@ -408,7 +315,7 @@ PyObject* module_to_host_burst(PyObject*, PyObject* args) {
     }
   }
   lap.to(kCopies);
-  if (g_phases.on) g_phases.copies[kToHost] += n;
+  burst_copies(kToHost, n);
   PyObject* done = refs.keep(done_event(transport, calls, d2h));
   if (done == nullptr) return nullptr;
   lap.to(kDone);
@@ -460,7 +367,7 @@ PyObject* module_to_device_burst(PyObject*, PyObject* args) {
     }
   }
   if (ends.empty()) ends.push_back(n);
-  Lap lap(kToDevice);
+  BurstLap lap(kToDevice);
   Calls calls;
   if (!calls_of(transport, calls) || release_done(transport, calls, kToDevice) < 0) return nullptr;
   lap.to(kRelease);
@@ -550,7 +457,7 @@ PyObject* module_to_device_burst(PyObject*, PyObject* args) {
     first = ends[p];
     lap.to(kDone);
   }
-  if (g_phases.on) g_phases.copies[kToDevice] += n;
+  burst_copies(kToDevice, n);
   PyObject* last = PyList_GET_ITEM(events, PyList_GET_SIZE(events) - 1);
   if (PyObject_SetAttrString(transport, "_last_h2d_done", last) < 0 || span(telemetry, "h2d", start, last, nbytes) < 0)
     return nullptr;
@@ -568,36 +475,9 @@ PyObject* module_release_copied(PyObject*, PyObject* transport) {
   END_HANDLE_TH_ERRORS
 }
 
-// burst_timing(on): the phase totals so far ({"to_host": {"bursts", "copies", "ns": {phase: ns}}, "to_device": ...}),
-// then zeroed, and timing turned on or off (benchmarks/runtime_breakdown.py; tests)
-PyObject* module_burst_timing(PyObject*, PyObject* on_obj) {
-  int on = PyObject_IsTrue(on_obj);
-  if (on < 0) return nullptr;
-  PyObject* out = PyDict_New();
-  const char* names[kDirections] = {"to_host", "to_device"};
-  for (int d = 0; out != nullptr && d < kDirections; ++d) {
-    PyObject* ns = PyDict_New();
-    for (int p = 0; ns != nullptr && p < kPhases; ++p) {
-      PyObject* v = PyLong_FromLongLong(g_phases.ns[d][p]);
-      if (v == nullptr || PyDict_SetItemString(ns, kPhaseNames[p], v) < 0) Py_CLEAR(ns);
-      Py_XDECREF(v);
-    }
-    PyObject* row = ns ? Py_BuildValue("{s:L,s:L,s:N}", "bursts", g_phases.bursts[d], "copies", g_phases.copies[d],
-                                       "ns", ns)
-                       : nullptr;
-    if (row == nullptr || PyDict_SetItemString(out, names[d], row) < 0) Py_CLEAR(out);
-    Py_XDECREF(row);
-  }
-  if (out == nullptr) return nullptr;
-  g_phases = PhaseTotals();
-  g_phases.on = on != 0;
-  return out;
-}
-
 }  // namespace
 
 PyMethodDef burst_methods[] = {
-    {"burst_timing", module_burst_timing, METH_O, "burst_timing(on): the bursts' phase times so far, then reset"},
     {"to_host_burst", module_to_host_burst, METH_VARARGS,
      "to_host_burst(transport, storages, keep_alive, routed): RawCudaTransport.to_host"},
     {"to_device_burst", module_to_device_burst, METH_VARARGS,

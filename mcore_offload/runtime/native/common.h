@@ -1,8 +1,8 @@
 // Declarations shared by the native runtime's translation units: module.cpp (the module, the interned names and the
 // helpers below), hooks.cpp (the saved-tensor hook types), copy_path.cpp (the copy-out), copy_calls.cpp (the
-// transport's copy loop and reload allocations), bursts.cpp (the raw transport's copy bursts), entry.cpp (the
-// copy-out's object types), reload.cpp (the reload's bookkeeping) and node_hooks.cpp (hooks on autograd nodes). See
-// __init__.py for why and how this is built.
+// transport's copy loop and reload allocations), bursts.cpp (the raw transport's copy bursts, with pool_calls.cpp and
+// burst_clock.cpp), entry.cpp (the copy-out's object types), reload.cpp (the reload's bookkeeping) and node_hooks.cpp
+// (hooks on autograd nodes). See __init__.py for why and how this is built.
 #pragma once
 
 #include <Python.h>
@@ -113,6 +113,29 @@ extern PyMethodDef reload_methods[];
 extern PyMethodDef burst_methods[];
 // node_hooks.cpp: add_prehook (the group start and commit hooks on existing autograd nodes)
 extern PyMethodDef node_hook_methods[];
+
+// burst_clock.cpp: host time per phase of the copy bursts (bursts.cpp), for benchmarks/runtime_breakdown.py; off
+// unless burst_timing(True) turned it on. ("query": release's completion queries, also counted in "release")
+enum BurstPhase { kRelease, kQuery, kAlloc, kFence, kAcquire, kWaits, kMark, kCopies, kDone, kBook, kBurstPhases };
+enum BurstDirection { kToHost, kToDevice, kBurstDirections };
+bool burst_clock_on();
+void burst_time(BurstDirection d, BurstPhase p, int64_t ns);
+void burst_copies(BurstDirection d, long long n);
+// Lap times of one burst: to(phase) adds the time since the last lap to that phase
+class BurstLap {
+ public:
+  explicit BurstLap(BurstDirection d);
+  void to(BurstPhase p);
+
+ private:
+  BurstDirection d_;
+  int64_t t_;
+};
+extern PyMethodDef burst_clock_methods[];
+
+// pool_calls.cpp: HostBufferPool.acquire_base's common answers, a new (buffer, event) reference; nullptr without an
+// error where the Python method must decide, nullptr with an error set on an error
+PyObject* acquire_fast(PyObject* pool, long long nbytes, PyObject* routed);
 
 // entry.cpp: Entry(point, nbytes, host, d2h_event, device_ptr) and Released(handler, ptr, entry) as new references
 // (nullptr: error set); entry.storage_ref = weak (stolen); the two types readied and Entry added to the module
