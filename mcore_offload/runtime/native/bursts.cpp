@@ -199,15 +199,20 @@ bool wait_for(const Calls& calls, unsigned long long stream, PyObject* event, in
   return true;
 }
 
-// After a burst's fence and waits: the first failed call raised (``err``), else the start mark on ``stream`` (None in
-// an untimed step), with ``telemetry`` set; both kept in ``refs``. nullptr: error set
-PyObject* waits_done(PyObject* transport, Refs& refs, int err, unsigned long long stream, PyObject*& telemetry) {
+// After a burst's fence and waits (``lap``'s "waits" ends here): the first failed call raised (``err``), else the
+// start mark on ``stream`` (None in an untimed step; "mark"), with ``telemetry`` set; both kept in ``refs``. nullptr:
+// error set
+PyObject* waits_done(PyObject* transport, Refs& refs, BurstLap& lap, int err, unsigned long long stream,
+                     PyObject*& telemetry) {
+  lap.to(kWaits);
   if (err != 0) {
     fail(transport, "cudaEventRecord/cudaStreamWaitEvent", err);
     return nullptr;
   }
   telemetry = refs.keep(PyObject_GetAttrString(transport, "telemetry"));
-  return telemetry ? refs.keep(mark(telemetry, stream)) : nullptr;
+  PyObject* start = telemetry ? refs.keep(mark(telemetry, stream)) : nullptr;
+  lap.to(kMark);
+  return start;
 }
 
 // to_host_burst(transport, storages, keep_alive, routed) -> (host buffers, done event): RawCudaTransport.to_host
@@ -301,11 +306,9 @@ PyObject* module_to_host_burst(PyObject*, PyObject* args) {
     if (!wait_for(calls, d2h, event, err)) return nullptr;
     waited = event;
   }
-  lap.to(kWaits);
   PyObject* telemetry = nullptr;
-  PyObject* start = waits_done(transport, refs, err, d2h, telemetry);
+  PyObject* start = waits_done(transport, refs, lap, err, d2h, telemetry);
   if (start == nullptr) return nullptr;
-  lap.to(kMark);
   for (Py_ssize_t i = 0; i < n; ++i) {
     void* dst = THPVariable_Unpack(PyList_GET_ITEM(bufs, i)).data_ptr();
     err = calls.memcpy_async(dst, srcs[i], sizes[i], kDeviceToHost, as_handle(d2h));
@@ -426,11 +429,9 @@ PyObject* module_to_device_burst(PyObject*, PyObject* args) {
     if (!wait_for(calls, h2d, event, err)) return nullptr;
     waited = event;
   }
-  lap.to(kWaits);
   PyObject* telemetry = nullptr;
-  PyObject* start = waits_done(transport, refs, err, h2d, telemetry);
+  PyObject* start = waits_done(transport, refs, lap, err, h2d, telemetry);
   if (start == nullptr) return nullptr;
-  lap.to(kMark);
   unsigned long long reload_seq = 0;
   if (!int_attr(transport, "reload_seq", reload_seq)) return nullptr;
   PyObject* events = refs.keep(PyList_New(0));
