@@ -191,6 +191,14 @@ struct Refs {
   }
 };
 
+// A burst's start: the CUDA entry points read, and the copied blocks seen done let go (``lap``'s "release" ends here);
+// false: error set
+bool begin_burst(PyObject* transport, Calls& calls, BurstLap& lap, BurstDirection d) {
+  if (!calls_of(transport, calls) || release_done(transport, calls, d) < 0) return false;
+  lap.to(kRelease);
+  return true;
+}
+
 // ``stream`` waits for ``event`` unless an earlier call of the burst failed (``err``: its code); false: error set
 bool wait_for(const Calls& calls, unsigned long long stream, PyObject* event, int& err) {
   unsigned long long handle = 0;
@@ -228,8 +236,7 @@ PyObject* module_to_host_burst(PyObject*, PyObject* args) {
   }
   BurstLap lap(kToHost);
   Calls calls;
-  if (!calls_of(transport, calls) || release_done(transport, calls, kToHost) < 0) return nullptr;
-  lap.to(kRelease);
+  if (!begin_burst(transport, calls, lap, kToHost)) return nullptr;
   Refs refs;
   unsigned long long d2h, fence, compute;
   if (!int_attr(transport, "_d2h_handle", d2h) || !nested_int_attr(transport, "_d2h_fence", "handle", fence) ||
@@ -372,8 +379,7 @@ PyObject* module_to_device_burst(PyObject*, PyObject* args) {
   if (ends.empty()) ends.push_back(n);
   BurstLap lap(kToDevice);
   Calls calls;
-  if (!calls_of(transport, calls) || release_done(transport, calls, kToDevice) < 0) return nullptr;
-  lap.to(kRelease);
+  if (!begin_burst(transport, calls, lap, kToDevice)) return nullptr;
   Refs refs;
   unsigned long long h2d, fence, compute;
   if (!int_attr(transport, "_h2d_handle", h2d) || !nested_int_attr(transport, "_h2d_fence", "handle", fence))
