@@ -77,3 +77,19 @@ def record_packed(monkeypatch, seen: list) -> None:
         return real(pack_and_record, unpack)
 
     monkeypatch.setattr(torch.autograd.graph, "saved_tensors_hooks", recording)
+
+
+@pytest.fixture(scope="module")
+def native_stub_runtime(tmp_path_factory):
+    """The logging stub CUDA runtime (``benchmarks/cpu_transport_glue.py``, copies made for real) for tests of the C++
+    runtime against the Python one; skipped where the stub or the C++ runtime cannot be built."""
+    from mcore_offload.runtime import native
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import cpu_transport_glue
+
+    if cpu_transport_glue.compiler() is None:
+        pytest.skip("no C compiler for the stub CUDA runtime")
+    if native.toolchain_missing():
+        pytest.skip(f"the C++ runtime cannot be built here: {native.toolchain_missing()}")
+    return cpu_transport_glue.stub_runtime(tmp_path_factory.mktemp("stub"), real_copies=True, log=True)

@@ -12,21 +12,11 @@ import pytest
 import torch
 
 from mcore_offload.runtime import cudart
-from mcore_offload.runtime import native as native_module
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import cpu_transport_glue  # noqa: E402
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def logging_runtime(tmp_path_factory):
-    if cpu_transport_glue.compiler() is None:
-        pytest.skip("no C compiler for the stub CUDA runtime")
-    if native_module.toolchain_missing():
-        pytest.skip(f"the C++ runtime cannot be built here: {native_module.toolchain_missing()}")
-    return cpu_transport_glue.stub_runtime(tmp_path_factory.mktemp("stub"), real_copies=True, log=True)
 
 
 def _transport(rt, use_cpp: bool):
@@ -87,9 +77,9 @@ def _script(t, rt):
     return answers, calls
 
 
-def test_the_cpp_bursts_make_the_python_bursts_calls_and_answers(logging_runtime):
-    py_answers, py_calls = _script(_transport(logging_runtime, use_cpp=False), logging_runtime)
-    cpp_answers, cpp_calls = _script(_transport(logging_runtime, use_cpp=True), logging_runtime)
+def test_the_cpp_bursts_make_the_python_bursts_calls_and_answers(native_stub_runtime):
+    py_answers, py_calls = _script(_transport(native_stub_runtime, use_cpp=False), native_stub_runtime)
+    cpp_answers, cpp_calls = _script(_transport(native_stub_runtime, use_cpp=True), native_stub_runtime)
     assert cpp_calls == py_calls
     assert cpp_answers == py_answers
     # the script covers what it means to: skipped and made reuse waits, a seen D2H, one wait per unseen one
@@ -103,16 +93,16 @@ def test_the_cpp_bursts_make_the_python_bursts_calls_and_answers(logging_runtime
     assert py_answers["host_copies"] == [bytes([7] * 16), bytes([8] * 32), bytes([9] * 8)]
 
 
-def test_bad_reload_parts_are_one_sentence_on_both_paths(logging_runtime):
+def test_bad_reload_parts_are_one_sentence_on_both_paths(native_stub_runtime):
     host = [torch.zeros(4, dtype=torch.uint8)] * 2
     for use_cpp in (False, True):
-        t = _transport(logging_runtime, use_cpp)
+        t = _transport(native_stub_runtime, use_cpp)
         with pytest.raises(ValueError, match=r"reload parts \[1, 2\] do not split 2 copies into non-empty runs"):
             t.to_device(host, [4, 4], [None, None], CPU, parts=[1, 2])
 
 
-def test_the_cpp_bursts_step_aside_where_python_must_make_them(logging_runtime, monkeypatch):
-    t = _transport(logging_runtime, use_cpp=True)
+def test_the_cpp_bursts_step_aside_where_python_must_make_them(native_stub_runtime, monkeypatch):
+    t = _transport(native_stub_runtime, use_cpp=True)
     t.coalesce = True
     assert t._native_bursts() is None  # coalesced reloads
     t.coalesce = False
@@ -123,10 +113,10 @@ def test_the_cpp_bursts_step_aside_where_python_must_make_them(logging_runtime, 
     assert t._native_bursts() is None  # a runtime without C entry points (tests' fakes)
 
 
-def test_the_burst_phase_clock_counts_bursts_and_copies_then_resets(logging_runtime):
+def test_the_burst_phase_clock_counts_bursts_and_copies_then_resets(native_stub_runtime):
     """burst_timing (benchmarks/runtime_breakdown.py reads it): off, it counts nothing; on, one burst per call, its
     copies, a time for every phase the burst went through; reading it resets it."""
-    t = _transport(logging_runtime, use_cpp=True)
+    t = _transport(native_stub_runtime, use_cpp=True)
     native = t.native
     native.burst_timing(False)
     data = [torch.ones(8, dtype=torch.uint8) for _ in range(3)]

@@ -102,6 +102,9 @@ class CoalescedReloads:
             lens.append(span)
         return out, copies
 
+    def returns_to_pool(self) -> bool:
+        return not self.coalesce  # coalesced: a block's slices go back together, see release_host
+
     def release_host(self, buf: torch.Tensor, h2d_event: object) -> None:
         base = buf._base
         if not self.coalesce or base is None or base.data_ptr() not in self._slices_left:

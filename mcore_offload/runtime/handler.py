@@ -278,6 +278,9 @@ class ChunkOffloadHandler(HandlerBase):
         """Backward reached the group: make its storages resident and prefetch the previous group."""
         if group is None or self.finished:
             return
+        native = self.manager.native
+        if native is not None and native.commit_backward(self, group):  # the common case in C++ (backward.cpp)
+            return
         self.manager.on_backward(self)
         if not self.backward_started:
             self.backward_started = True
@@ -440,6 +443,9 @@ class ChunkOffloadHandler(HandlerBase):
         """The group's whole backward ran: its device copies can go."""
         if group.done:
             return
+        native = self.manager.native
+        if native is not None and native.group_done(self, group):  # the same in C++ (backward.cpp)
+            return
         group.done = True
         if self.manager.chain is not None and self.manager.chain[1] is group:
             self.manager.chain = None  # a broken chain's group whose backward came before any flush
@@ -459,8 +465,18 @@ class ChunkOffloadHandler(HandlerBase):
         if self.finished:
             return
         self.finished = True
-        logger.debug("chunk vp=%s mb=%d finished: %d/%d groups done", self.vp_stage, self.microbatch,
-                     sum(g.done for g in self.groups), len(self.groups))
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("chunk vp=%s mb=%d finished: %d/%d groups done", self.vp_stage, self.microbatch,
+                         sum(g.done for g in self.groups), len(self.groups))
+        native = self.manager.native
+        if native is not None and not abort:  # the same in C++ (backward.cpp: finish_release)
+            native.finish_release(self, self.transport.pool if self.transport.returns_to_pool() else None)
+        else:
+            self._release_all(abort)
+
+    def _release_all(self, abort: bool = False) -> None:
+        """:meth:`finish`'s work once the handler is marked finished: host buffers back, counted, every reference
+        dropped."""
         seen: set[int] = set()
         freed: list[Entry] = []
         release_host = self.transport.release_host

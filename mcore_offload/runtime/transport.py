@@ -138,6 +138,10 @@ class Transport:
     def release_host(self, buf: torch.Tensor, h2d_event: object) -> None:
         self.pool.release(buf, h2d_event)
 
+    def returns_to_pool(self) -> bool:
+        """Whether :meth:`release_host` is the pool's release (the C++ finish then hands buffers back itself)."""
+        return type(self).release_host is Transport.release_host
+
     def synchronize(self) -> None:
         """Wait for every copy in flight (only on abort paths, never inside a step)."""
 

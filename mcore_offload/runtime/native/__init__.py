@@ -1,7 +1,8 @@
 """The runtime's per-tensor and per-storage steps in C++ (``hooks.cpp``: the saved-tensor hooks; ``copy_path.cpp``,
 ``held_checks.cpp`` and ``entry.cpp``: the copy-out; ``copy_calls.cpp``: the transport's copy loop and reload
 allocations; ``bursts.cpp``: the raw transport's copy bursts whole, with ``pool_calls.cpp`` (the pool's common
-answers) and ``burst_clock.cpp`` (their phase clock); ``reload.cpp``: the reload's bookkeeping; ``node_hooks.cpp``:
+answers) and ``burst_clock.cpp`` (their phase clock); ``reload.cpp``: the reload's bookkeeping; ``backward.cpp``: a
+group's backward (its reload, wait and prefetch, its end, the chunk's finish); ``node_hooks.cpp``:
 the group hooks on autograd nodes; ``module.cpp``: the module and what they share), built on first use with PyTorch's
 extension builder.
 
@@ -46,7 +47,7 @@ logger = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("module.cpp", "hooks.cpp", "copy_path.cpp", "held_checks.cpp", "copy_calls.cpp",
                              "bursts.cpp", "pool_calls.cpp", "burst_clock.cpp", "entry.cpp", "reload.cpp",
-                             "node_hooks.cpp"))
+                             "backward.cpp", "node_hooks.cpp"))
 HEADERS = (Path(__file__).with_name("common.h"),)
 MODES = ("auto", "0", "1")
 

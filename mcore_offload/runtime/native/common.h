@@ -1,8 +1,8 @@
 // Declarations shared by the native runtime's translation units: module.cpp (the module, the interned names and the
 // helpers below), hooks.cpp (the saved-tensor hook types), copy_path.cpp (the copy-out), copy_calls.cpp (the
 // transport's copy loop and reload allocations), bursts.cpp (the raw transport's copy bursts, with pool_calls.cpp and
-// burst_clock.cpp), entry.cpp (the copy-out's object types), reload.cpp (the reload's bookkeeping) and node_hooks.cpp
-// (hooks on autograd nodes). See __init__.py for why and how this is built.
+// burst_clock.cpp), entry.cpp (the copy-out's object types), reload.cpp (the reload's bookkeeping), backward.cpp (a
+// group's backward) and node_hooks.cpp (hooks on autograd nodes). See __init__.py for why and how this is built.
 #pragma once
 
 #include <Python.h>
@@ -111,6 +111,11 @@ extern PyMethodDef held_check_methods[];
 extern PyMethodDef copy_call_methods[];
 extern PyMethodDef reload_methods[];
 extern PyMethodDef burst_methods[];
+// reload.cpp: handler._reload over ``runs`` (a tuple of lists of entries; -1: error), for backward.cpp too
+int reload_runs(PyObject* handler, PyObject* runs, bool on_demand);
+// backward.cpp: commit_backward, group_done and finish_release (a group's backward); its names interned (false: error)
+extern PyMethodDef backward_methods[];
+bool backward_names_ready();
 // node_hooks.cpp: add_prehook (the group start and commit hooks on existing autograd nodes)
 extern PyMethodDef node_hook_methods[];
 

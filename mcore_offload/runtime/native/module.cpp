@@ -1,7 +1,7 @@
 // The native runtime's module: its init, the objects every translation unit shares (the interned attribute names,
 // the exact types the pack hook tests for) and small helpers (PointTotals among them). The types and functions are in
 // hooks.cpp, copy_path.cpp, held_checks.cpp, copy_calls.cpp, bursts.cpp (with pool_calls.cpp and burst_clock.cpp),
-// entry.cpp and reload.cpp. See __init__.py for why and how this is built.
+// entry.cpp, reload.cpp and backward.cpp. See __init__.py for why and how this is built.
 
 #include "common.h"
 
@@ -225,13 +225,13 @@ long long PointTotals::total() const {
 using namespace mco;
 
 PyMODINIT_FUNC MCO_CONCAT(PyInit_, TORCH_EXTENSION_NAME)(void) {
-  if (!intern_all()) return nullptr;
+  if (!intern_all() || !backward_names_ready()) return nullptr;
   PyObject* m = PyModule_Create(&module_def);
   if (m == nullptr) return nullptr;
   if (!hook_types_ready(m) || PyModule_AddFunctions(m, copy_path_methods) < 0 || PyModule_AddFunctions(m, held_check_methods) < 0 ||
       PyModule_AddFunctions(m, copy_call_methods) < 0 || PyModule_AddFunctions(m, reload_methods) < 0 ||
       PyModule_AddFunctions(m, burst_methods) < 0 || PyModule_AddFunctions(m, burst_clock_methods) < 0 ||
-      PyModule_AddFunctions(m, node_hook_methods) < 0 ||
+      PyModule_AddFunctions(m, node_hook_methods) < 0 || PyModule_AddFunctions(m, backward_methods) < 0 ||
       !entry_types_ready(m)) {
     Py_DECREF(m);
     return nullptr;

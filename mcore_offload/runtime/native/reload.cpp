@@ -107,17 +107,15 @@ int count_reloaded(PyObject* handler, const std::vector<PyObject*>& todo, bool o
   return ok ? 0 : -1;
 }
 
-// reload(handler, runs, on_demand): handler._reload (runs: a tuple of lists of entries, in the order needed; each run
-// gets its own done event)
-PyObject* module_reload(PyObject*, PyObject* args) {
-  HANDLE_TH_ERRORS
-  PyObject *handler, *runs;
-  int on_demand;
-  if (!PyArg_ParseTuple(args, "OO!p", &handler, &PyTuple_Type, &runs, &on_demand)) return nullptr;
+}  // namespace
+
+// handler._reload (runs: a tuple of lists of entries, in the order needed; each run gets its own done event); -1 on
+// error. Also backward.cpp's, for the reloads of a group's backward
+int reload_runs(PyObject* handler, PyObject* runs, bool on_demand) {
   std::vector<PyObject*> todo;
   std::vector<Py_ssize_t> parts;
-  if (on_host_only(runs, todo, parts) < 0) return nullptr;
-  if (todo.empty()) Py_RETURN_NONE;
+  if (on_host_only(runs, todo, parts) < 0) return -1;
+  if (todo.empty()) return 0;
   PyObject* hosts = gather(todo, s_host);
   PyObject* sizes = hosts ? gather(todo, s_nbytes) : nullptr;
   PyObject* after = sizes ? gather(todo, s_d2h_event) : nullptr;
@@ -172,7 +170,18 @@ PyObject* module_reload(PyObject*, PyObject* args) {
   }
   Py_XDECREF(result);
   Py_XDECREF(transport);
-  if (!ok || count_reloaded(handler, todo, on_demand != 0) < 0) return nullptr;
+  return !ok || count_reloaded(handler, todo, on_demand) < 0 ? -1 : 0;
+}
+
+namespace {
+
+// reload(handler, runs, on_demand): handler._reload
+PyObject* module_reload(PyObject*, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject *handler, *runs;
+  int on_demand;
+  if (!PyArg_ParseTuple(args, "OO!p", &handler, &PyTuple_Type, &runs, &on_demand)) return nullptr;
+  if (reload_runs(handler, runs, on_demand != 0) < 0) return nullptr;
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
 }

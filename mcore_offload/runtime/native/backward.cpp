@@ -1,0 +1,499 @@
+// A group's backward in C++ (see __init__.py for why and how this is built):
+//
+//   commit_backward  handler.on_group_commit_backward after the chunk's first group: the on-demand reload, the compute
+//                    stream's one wait (transport.wait_reload, called as it is), the prefetch of the layer below
+//                    (handler._prefetch with one layer a burst)
+//   group_done       handler.on_group_backward_done (the late prefetch and finish are called as they are)
+//   finish_release   the body of handler.finish for a step that did not fail: host buffers back to the pool (its
+//                    common answer here, HostBufferPool.release otherwise), the counts, every reference let go
+//
+// These run once per group (finish_release once per chunk and microbatch) on the backward's host path, where each
+// Python frame is step time in a launch-bound step (about 110 µs a group of Python in session 33's breakdown of A).
+// commit_backward and group_done answer False, having changed nothing, where the Python method must decide: the
+// chunk's first backward group (what forward left pending), a chain still open, another chunk's groups waiting to be
+// flushed, the auto probe's clock marks, reload bursts of several layers. tests/test_native_backward.py runs training
+// steps through both and compares the CUDA calls, counters, losses and gradients.
+
+#include "common.h"
+
+#include <algorithm>
+#include <unordered_set>
+
+namespace mco {
+namespace {
+
+PyObject* s_backward_started;
+PyObject* s_manager;
+PyObject* s_chain;
+PyObject* s_forward_handler;
+PyObject* s_pending;
+PyObject* s_marks;
+PyObject* s_reload_layers;
+PyObject* s_prefetch;
+PyObject* s_layers;
+PyObject* s_chunk_layers;
+PyObject* s_vp_stage;
+PyObject* s_entries;
+PyObject* s_transport;
+PyObject* s_wait_reload;
+PyObject* s_index;
+PyObject* s_layer;
+PyObject* s_groups;
+PyObject* s_kept_on_device;
+PyObject* s_done;
+PyObject* s_reload_bursts;
+PyObject* s_current_group;
+PyObject* s_groups_done;
+PyObject* s_late_method;
+PyObject* s_prefetch_layer_below;
+PyObject* s_finish;
+PyObject* s_opened;
+PyObject* s_refs;
+PyObject* s_storage_ref;
+PyObject* s_live;
+PyObject* s_on_hosts_freed;
+PyObject* s_on_handler_finished;
+PyObject* s_pool;
+PyObject* s_routed_owner;
+PyObject* s_free;
+PyObject* s_release;
+PyObject* s_release_host;
+PyObject* s_base;
+
+// An owned reference, let go at the end of its scope
+class Ref {
+ public:
+  explicit Ref(PyObject* p = nullptr) : p_(p) {}
+  ~Ref() { Py_XDECREF(p_); }
+  Ref(const Ref&) = delete;
+  Ref& operator=(const Ref&) = delete;
+  PyObject* get() const { return p_; }
+  explicit operator bool() const { return p_ != nullptr; }
+  void reset(PyObject* p) {  // takes ``p`` (a new reference)
+    Py_XDECREF(p_);
+    p_ = p;
+  }
+
+ private:
+  PyObject* p_;
+};
+
+// getattr(obj, name) as a C long (-1 with an error set on failure; callers check PyErr_Occurred)
+long attr_long(PyObject* obj, PyObject* name) {
+  Ref v(PyObject_GetAttr(obj, name));
+  return v ? PyLong_AsLong(v.get()) : -1;
+}
+
+// 1 / 0: getattr(obj, name) is true / false; -1: error
+int attr_true(PyObject* obj, PyObject* name) {
+  Ref v(PyObject_GetAttr(obj, name));
+  return v ? PyObject_IsTrue(v.get()) : -1;
+}
+
+int set_long(PyObject* obj, PyObject* name, long value) {
+  Ref v(PyLong_FromLong(value));
+  return v ? PyObject_SetAttr(obj, name, v.get()) : -1;
+}
+
+// obj.<name> = [] (a new list, as the Python code assigns)
+int set_empty_list(PyObject* obj, PyObject* name) {
+  Ref v(PyList_New(0));
+  return v ? PyObject_SetAttr(obj, name, v.get()) : -1;
+}
+
+// list(seq) items of getattr(obj, name), as a fast sequence (nullptr: error)
+PyObject* attr_items(PyObject* obj, PyObject* name) {
+  Ref v(PyObject_GetAttr(obj, name));
+  return v ? PySequence_Fast(v.get(), "a list was expected") : nullptr;
+}
+
+enum PrefetchMode { kLayerMode, kLateMode, kTailMode, kOtherMode };
+
+// manager.prefetch, one of MCORE_OFFLOAD_PREFETCH's three spellings (kOtherMode: none of them; -1: error)
+int prefetch_mode(PyObject* manager) {
+  Ref mode(PyObject_GetAttr(manager, s_prefetch));
+  if (!mode) return -1;
+  const char* names[] = {"layer", "late", "tail"};
+  for (int m = kLayerMode; m <= kTailMode; ++m) {
+    if (PyUnicode_Check(mode.get()) && PyUnicode_CompareWithASCIIString(mode.get(), names[m]) == 0) return m;
+  }
+  return kOtherMode;
+}
+
+// handler._late(layer) (1 / 0; -1: error)
+int late_for(PyObject* handler, int mode, long layer) {
+  if (mode == kLayerMode) return 0;
+  if (mode == kLateMode) return 1;
+  if (mode != kTailMode) {  // not a mode this file knows: the method answers
+    Ref n(PyLong_FromLong(layer));
+    Ref answer(n ? PyObject_CallMethodObjArgs(handler, s_late_method, n.get(), nullptr) : nullptr);
+    return answer ? PyObject_IsTrue(answer.get()) : -1;
+  }
+  // tail: late in the chunk's last layer where that layer came back from the host
+  Ref groups(PyObject_GetAttr(handler, s_groups));
+  if (!groups) return -1;
+  if (!PyList_Check(groups.get()) || PyList_GET_SIZE(groups.get()) == 0) {
+    PyErr_SetString(PyExc_RuntimeError, "mcore-offload: a group's backward in a chunk without committed groups; "
+                                        "this is a bug, please report it");
+    return -1;
+  }
+  PyObject* last = PyList_GET_ITEM(groups.get(), PyList_GET_SIZE(groups.get()) - 1);
+  long last_layer = attr_long(last, s_layer);
+  if (last_layer == -1 && PyErr_Occurred()) return -1;
+  if (layer != last_layer) return 0;
+  int kept = attr_true(last, s_kept_on_device);
+  return kept < 0 ? -1 : !kept;
+}
+
+// handler._on_host_down_to: the entries still only on the host of the groups before ``index``, back to layer
+// ``reach``, one list per group that has any, appended to ``needed`` in backward order (-1: error)
+int on_host_down_to(PyObject* handler, long index, long reach, PyObject* needed) {
+  Ref groups(PyObject_GetAttr(handler, s_groups));
+  if (!groups) return -1;
+  if (!PyList_Check(groups.get())) {
+    PyErr_SetString(PyExc_TypeError, "handler.groups must be a list");
+    return -1;
+  }
+  for (long i = std::min<long>(index, static_cast<long>(PyList_GET_SIZE(groups.get()))) - 1; i >= 0; --i) {
+    PyObject* prev = PyList_GET_ITEM(groups.get(), i);
+    long layer = attr_long(prev, s_layer);
+    if (layer == -1 && PyErr_Occurred()) return -1;
+    if (layer < reach) break;
+    int done = attr_true(prev, s_done);
+    if (done < 0) return -1;
+    if (done) continue;
+    Ref seq(attr_items(prev, s_entries));
+    Ref run(seq ? PyList_New(0) : nullptr);
+    if (!run) return -1;
+    for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(seq.get()); ++k) {
+      PyObject* e = PySequence_Fast_GET_ITEM(seq.get(), k);
+      Ref storage(PyObject_GetAttr(e, s_device_storage));
+      Ref host(storage ? PyObject_GetAttr(e, s_host) : nullptr);
+      if (!host) return -1;
+      if (storage.get() == Py_None && host.get() != Py_None && PyList_Append(run.get(), e) < 0) return -1;
+    }
+    if (PyList_GET_SIZE(run.get()) > 0 && PyList_Append(needed, run.get()) < 0) return -1;
+  }
+  return 0;
+}
+
+// handler._prefetch(group) with one layer a reload burst (-1: error)
+int prefetch(PyObject* handler, PyObject* group, int mode) {
+  long index = attr_long(group, s_index);
+  if (index == -1 && PyErr_Occurred()) return -1;
+  if (index <= 0) return 0;
+  long layer = attr_long(group, s_layer);
+  if (layer == -1 && PyErr_Occurred()) return -1;
+  int late = late_for(handler, mode, layer);
+  if (late < 0) return -1;
+  Ref needed(PyList_New(0));
+  if (!needed || on_host_down_to(handler, index, late ? layer : layer - 1, needed.get()) < 0) return -1;
+  Py_ssize_t n = PyList_GET_SIZE(needed.get());
+  if (n == 0) return 0;
+  // late: one done event per group; ahead of time, one burst (one event) for what the layer below needs
+  Ref runs;
+  if (late) {
+    runs.reset(PyList_AsTuple(needed.get()));
+  } else {
+    Ref all(PyList_New(0));
+    for (Py_ssize_t i = 0; all && i < n; ++i) {
+      PyObject* run = PyList_GET_ITEM(needed.get(), i);
+      if (PyList_SetSlice(all.get(), PY_SSIZE_T_MAX, PY_SSIZE_T_MAX, run) < 0) return -1;
+    }
+    if (all) runs.reset(PyTuple_Pack(1, all.get()));
+  }
+  if (!runs || add_to_attr(handler, s_reload_bursts, 1) < 0) return -1;
+  return reload_runs(handler, runs.get(), false);
+}
+
+// Whether commit_backward may do the group's work: 1 yes, 0 the Python method must, -1 error
+int commit_fast_path(PyObject* handler, PyObject* manager) {
+  int started = attr_true(handler, s_backward_started);  // the chunk's first group settles what forward left
+  if (started <= 0) return started;
+  Ref chain(PyObject_GetAttr(manager, s_chain));  // manager.on_backward closes an open chain
+  if (!chain) return -1;
+  if (chain.get() != Py_None) return 0;
+  Ref fwd(PyObject_GetAttr(manager, s_forward_handler));  // and flushes another chunk's pending groups
+  if (!fwd) return -1;
+  if (fwd.get() != Py_None && fwd.get() != handler) {
+    int pending = attr_true(fwd.get(), s_pending);
+    if (pending != 0) return pending < 0 ? -1 : 0;
+  }
+  Ref marks(PyObject_GetAttr(handler, s_marks));  // the auto probe's clock marks
+  if (!marks) return -1;
+  if (marks.get() != Py_None) return 0;
+  long k = attr_long(manager, s_reload_layers);  // bursts of several layers
+  if (k == -1 && PyErr_Occurred()) return -1;
+  return k == 1 ? 1 : 0;
+}
+
+// The compute stream's one wait for a group: on the latest reload burst of its entries not yet waited for (it covers
+// the earlier ones); every such entry is marked waited (-1: error)
+int wait_latest(PyObject* handler, PyObject* entries) {
+  Ref seq(PySequence_Fast(entries, "group.entries must be a list"));
+  if (!seq) return -1;
+  PyObject* latest = nullptr;  // borrowed from the entries list
+  Ref latest_seq;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq.get()); ++i) {
+    PyObject* e = PySequence_Fast_GET_ITEM(seq.get(), i);
+    int waited = attr_true(e, s_compute_waited);
+    if (waited < 0) return -1;
+    if (waited) continue;
+    Ref h2d_seq(PyObject_GetAttr(e, s_h2d_seq));
+    if (!h2d_seq) return -1;
+    int later = latest == nullptr ? 1 : PyObject_RichCompareBool(h2d_seq.get(), latest_seq.get(), Py_GT);
+    if (later < 0) return -1;
+    if (later) {
+      latest = e;
+      Py_INCREF(h2d_seq.get());
+      latest_seq.reset(h2d_seq.get());
+    }
+    if (PyObject_SetAttr(e, s_compute_waited, Py_True) < 0) return -1;
+  }
+  if (latest == nullptr) return 0;
+  Ref transport(PyObject_GetAttr(handler, s_transport));
+  Ref event(transport ? PyObject_GetAttr(latest, s_h2d_event) : nullptr);
+  Ref r(event ? PyObject_CallMethodObjArgs(transport.get(), s_wait_reload, event.get(), latest_seq.get(), nullptr)
+              : nullptr);
+  return r ? 0 : -1;
+}
+
+// commit_backward(handler, group): handler.on_group_commit_backward; False (nothing done) where the Python method
+// must run
+PyObject* module_commit_backward(PyObject*, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject *handler, *group;
+  if (!PyArg_ParseTuple(args, "OO", &handler, &group)) return nullptr;
+  Ref manager(PyObject_GetAttr(handler, s_manager));
+  if (!manager) return nullptr;
+  int fast = commit_fast_path(handler, manager.get());
+  int mode = fast > 0 ? prefetch_mode(manager.get()) : 0;
+  if (fast < 0 || mode < 0) return nullptr;
+  if (fast == 0) Py_RETURN_FALSE;
+  // manager.on_backward, with no chain to close and no other chunk to flush: _forward_ended's layer count
+  Ref layers(PyObject_GetAttr(handler, s_layers));
+  int any = layers ? PyObject_IsTrue(layers.get()) : -1;
+  if (any < 0) return nullptr;
+  if (any) {
+    Ref chunk_layers(PyObject_GetAttr(manager.get(), s_chunk_layers));
+    Ref vp(chunk_layers ? PyObject_GetAttr(handler, s_vp_stage) : nullptr);
+    if (!vp || PyObject_SetItem(chunk_layers.get(), vp.get(), layers.get()) < 0) return nullptr;
+  }
+  Ref entries(PyObject_GetAttr(group, s_entries));
+  Ref runs(entries ? PyTuple_Pack(1, entries.get()) : nullptr);
+  if (!runs || reload_runs(handler, runs.get(), true) < 0 || wait_latest(handler, entries.get()) < 0 ||
+      prefetch(handler, group, mode) < 0)
+    return nullptr;
+  long current = attr_long(handler, s_current_group);
+  if ((current == -1 && PyErr_Occurred()) || set_long(handler, s_current_group, current > 1 ? current - 1 : 0) < 0)
+    return nullptr;
+  Py_RETURN_TRUE;
+  END_HANDLE_TH_ERRORS
+}
+
+// group_done(handler, group): handler.on_group_backward_done; False (nothing done) where the Python method must run
+PyObject* module_group_done(PyObject*, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject *handler, *group;
+  if (!PyArg_ParseTuple(args, "OO", &handler, &group)) return nullptr;
+  int done = attr_true(group, s_done);
+  if (done < 0) return nullptr;
+  if (done) Py_RETURN_TRUE;
+  Ref manager(PyObject_GetAttr(handler, s_manager));
+  Ref chain(manager ? PyObject_GetAttr(manager.get(), s_chain) : nullptr);
+  if (!chain) return nullptr;
+  if (chain.get() != Py_None) Py_RETURN_FALSE;  // the method lets go of a broken chain's group
+  if (PyObject_SetAttr(group, s_done, Py_True) < 0) return nullptr;
+  Ref seq(attr_items(group, s_entries));
+  if (!seq) return nullptr;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq.get()); ++i) {
+    PyObject* e = PySequence_Fast_GET_ITEM(seq.get(), i);
+    long users = attr_long(e, s_users);
+    if ((users == -1 && PyErr_Occurred()) || set_long(e, s_users, users - 1) < 0) return nullptr;
+    if (users - 1 == 0 && PyObject_SetAttr(e, s_device_storage, Py_None) < 0) return nullptr;
+  }
+  long index = attr_long(group, s_index);
+  if (index == -1 && PyErr_Occurred()) return nullptr;
+  if (index >= 0) {  // one of handler.groups (a group that saved nothing was never committed there)
+    if (add_to_attr(handler, s_groups_done, 1) < 0) return nullptr;
+    if (index > 0) {
+      Ref groups(PyObject_GetAttr(handler, s_groups));
+      Ref prev(groups ? PySequence_GetItem(groups.get(), index - 1) : nullptr);
+      long prev_layer = prev ? attr_long(prev.get(), s_layer) : -1;
+      long layer = prev ? attr_long(group, s_layer) : -1;
+      if (PyErr_Occurred()) return nullptr;
+      if (prev_layer < layer) {
+        int mode = prefetch_mode(manager.get());
+        int late = mode < 0 ? -1 : late_for(handler, mode, layer);
+        if (late < 0) return nullptr;
+        if (late) {
+          Ref r(PyObject_CallMethodObjArgs(handler, s_prefetch_layer_below, group, nullptr));
+          if (!r) return nullptr;
+        }
+      }
+    }
+  }
+  long groups_done = attr_long(handler, s_groups_done);
+  Ref groups(PyObject_GetAttr(handler, s_groups));
+  Py_ssize_t n = groups ? PyObject_Length(groups.get()) : -1;
+  if (n < 0 || (groups_done == -1 && PyErr_Occurred())) return nullptr;
+  if (groups_done == n) {
+    Ref r(PyObject_CallMethodObjArgs(handler, s_finish, nullptr));
+    if (!r) return nullptr;
+  }
+  Py_RETURN_TRUE;
+  END_HANDLE_TH_ERRORS
+}
+
+// HostBufferPool.release(buf, event) where its answer is a list append (a buffer of a size class the pool knows, not
+// a routed one); the method otherwise. free_by_class, routed_owner: the pool's dicts (-1: error)
+int pool_release(PyObject* pool, PyObject* free_by_class, PyObject* routed_owner, PyObject* buf, PyObject* event) {
+  bool fast = THPVariable_Check(buf) && PyDict_Check(free_by_class) && PyDict_Check(routed_owner);
+  Ref base;
+  if (fast) {  // the buffer itself, or the buffer a slice was cut from
+    base.reset(PyObject_GetAttr(buf, s_base));
+    if (!base) return -1;
+    if (base.get() == Py_None) {
+      Py_INCREF(buf);
+      base.reset(buf);
+    }
+    fast = THPVariable_Check(base.get());
+  }
+  PyObject* free = nullptr;  // borrowed
+  if (fast) {
+    const at::Tensor& b = THPVariable_Unpack(base.get());
+    if (PyDict_GET_SIZE(routed_owner) > 0) {
+      Ref ptr(PyLong_FromVoidPtr(b.data_ptr()));
+      if (!ptr) return -1;
+      PyObject* key = PyDict_GetItemWithError(routed_owner, ptr.get());
+      if (key == nullptr && PyErr_Occurred()) return -1;
+      fast = key == nullptr || key == Py_None;
+    }
+    if (fast) {
+      Ref cls(PyLong_FromLongLong(b.numel()));
+      if (!cls) return -1;
+      free = PyDict_GetItemWithError(free_by_class, cls.get());
+      if (free == nullptr && PyErr_Occurred()) return -1;
+    }
+  }
+  if (free == nullptr || !PyList_Check(free)) {  // a new size class (kept sorted), a routed buffer, another type
+    Ref r(PyObject_CallMethodObjArgs(pool, s_release, buf, event, nullptr));
+    return r ? 0 : -1;
+  }
+  Ref item(PyTuple_Pack(2, base.get(), event));
+  return item ? PyList_Append(free, item.get()) : -1;
+}
+
+// finish_release(handler, pool): handler.finish's work after it marked the handler finished, for a step that did not
+// fail. ``pool``: the transport's HostBufferPool where its release_host is the pool's release, else None (the method
+// is called for each buffer)
+PyObject* module_finish_release(PyObject*, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject *handler, *pool;
+  if (!PyArg_ParseTuple(args, "OO", &handler, &pool)) return nullptr;
+  Ref transport(PyObject_GetAttr(handler, s_transport));
+  Ref manager(transport ? PyObject_GetAttr(handler, s_manager) : nullptr);
+  Ref groups(manager ? attr_items(handler, s_groups) : nullptr);
+  Ref freed(groups ? PyList_New(0) : nullptr);
+  if (!freed) return nullptr;
+  Ref free_by_class, routed_owner;
+  if (pool != Py_None) {
+    free_by_class.reset(PyObject_GetAttr(pool, s_free));
+    routed_owner.reset(free_by_class ? PyObject_GetAttr(pool, s_routed_owner) : nullptr);
+    if (!routed_owner) return nullptr;
+  }
+  // each entry once (groups that save views of one storage share its entry); the next writer of a buffer waits for
+  // the last copy that read it
+  std::unordered_set<PyObject*> seen;
+  for (Py_ssize_t g = 0; g < PySequence_Fast_GET_SIZE(groups.get()); ++g) {
+    Ref seq(attr_items(PySequence_Fast_GET_ITEM(groups.get(), g), s_entries));
+    if (!seq) return nullptr;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq.get()); ++i) {
+      PyObject* e = PySequence_Fast_GET_ITEM(seq.get(), i);
+      if (seen.count(e)) continue;
+      Ref host(PyObject_GetAttr(e, s_host));
+      if (!host) return nullptr;
+      if (host.get() == Py_None) continue;
+      seen.insert(e);
+      Ref event(PyObject_GetAttr(e, s_h2d_event));
+      if (!event) return nullptr;
+      if (pool != Py_None) {
+        if (pool_release(pool, free_by_class.get(), routed_owner.get(), host.get(), event.get()) < 0) return nullptr;
+      } else {
+        Ref r(PyObject_CallMethodObjArgs(transport.get(), s_release_host, host.get(), event.get(), nullptr));
+        if (!r) return nullptr;
+      }
+      if (PyList_Append(freed.get(), e) < 0) return nullptr;
+    }
+  }
+  if (PyList_GET_SIZE(freed.get()) > 0) {  // manager.on_hosts_freed reads off_device before the loop below
+    Ref r(PyObject_CallMethodObjArgs(manager.get(), s_on_hosts_freed, freed.get(), nullptr));
+    if (!r) return nullptr;
+  }
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(freed.get()); ++i) {
+    PyObject* e = PyList_GET_ITEM(freed.get(), i);
+    if (PyObject_SetAttr(e, s_host, Py_None) < 0 || PyObject_SetAttr(e, s_device_storage, Py_None) < 0)
+      return nullptr;
+  }
+  // every reference the handler holds goes (see handler.finish: autograd, not the cyclic collector, frees them)
+  Ref opened(attr_items(handler, s_opened));
+  if (!opened) return nullptr;
+  for (Py_ssize_t g = 0; g < PySequence_Fast_GET_SIZE(opened.get()); ++g) {
+    PyObject* group = PySequence_Fast_GET_ITEM(opened.get(), g);
+    Ref refs(PyObject_GetAttr(group, s_refs));
+    Ref entries(refs ? PyObject_GetAttr(group, s_entries) : nullptr);
+    if (!entries || !PyList_Check(refs.get()) || !PyList_Check(entries.get())) {
+      if (entries) PyErr_SetString(PyExc_TypeError, "group.refs and group.entries must be lists");
+      return nullptr;
+    }
+    if (PyList_SetSlice(refs.get(), 0, PY_SSIZE_T_MAX, nullptr) < 0) return nullptr;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(entries.get()); ++i) {
+      if (PyObject_SetAttr(PyList_GET_ITEM(entries.get(), i), s_storage_ref, Py_None) < 0) return nullptr;
+    }
+    if (PyList_SetSlice(entries.get(), 0, PY_SSIZE_T_MAX, nullptr) < 0) return nullptr;
+  }
+  Ref live(PyObject_GetAttr(handler, s_live));
+  if (!live || set_empty_list(handler, s_groups) < 0 || set_empty_list(handler, s_pending) < 0 ||
+      set_empty_list(handler, s_opened) < 0)
+    return nullptr;
+  if (PyDict_Check(live.get())) {
+    PyDict_Clear(live.get());
+  } else {
+    Ref r(PyObject_CallMethod(live.get(), "clear", nullptr));
+    if (!r) return nullptr;
+  }
+  Ref r(PyObject_CallMethodObjArgs(manager.get(), s_on_handler_finished, handler, nullptr));
+  if (!r) return nullptr;
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+}  // namespace
+
+bool backward_names_ready() {
+  static const NameSlot names[] = {
+      {&s_backward_started, "backward_started"}, {&s_manager, "manager"}, {&s_chain, "chain"},
+      {&s_forward_handler, "forward_handler"}, {&s_pending, "pending"}, {&s_marks, "marks"},
+      {&s_reload_layers, "reload_layers"}, {&s_prefetch, "prefetch"}, {&s_layers, "layers"},
+      {&s_chunk_layers, "_chunk_layers"}, {&s_vp_stage, "vp_stage"}, {&s_entries, "entries"},
+      {&s_transport, "transport"}, {&s_wait_reload, "wait_reload"}, {&s_index, "index"}, {&s_layer, "layer"},
+      {&s_groups, "groups"}, {&s_kept_on_device, "kept_on_device"}, {&s_done, "done"},
+      {&s_reload_bursts, "reload_bursts"}, {&s_current_group, "current_group"}, {&s_groups_done, "groups_done"},
+      {&s_late_method, "_late"}, {&s_prefetch_layer_below, "_prefetch_layer_below"}, {&s_finish, "finish"},
+      {&s_opened, "opened"}, {&s_refs, "refs"}, {&s_storage_ref, "storage_ref"}, {&s_live, "live"},
+      {&s_on_hosts_freed, "on_hosts_freed"}, {&s_on_handler_finished, "on_handler_finished"}, {&s_pool, "pool"},
+      {&s_routed_owner, "_routed_owner"}, {&s_free, "_free"}, {&s_release, "release"},
+      {&s_release_host, "release_host"}, {&s_base, "_base"}};
+  return intern_names(names, sizeof(names) / sizeof(names[0]));
+}
+
+PyMethodDef backward_methods[] = {
+    {"commit_backward", module_commit_backward, METH_VARARGS,
+     "commit_backward(handler, group): handler.on_group_commit_backward (False: the method must run)"},
+    {"group_done", module_group_done, METH_VARARGS,
+     "group_done(handler, group): handler.on_group_backward_done (False: the method must run)"},
+    {"finish_release", module_finish_release, METH_VARARGS,
+     "finish_release(handler, pool): handler.finish's work for a step that did not fail"},
+    {nullptr, nullptr, 0, nullptr}};
+
+}  // namespace mco
