@@ -4,8 +4,8 @@
 //                    stream's one wait (transport.wait_reload, called as it is), the prefetch of the layer below
 //                    (handler._prefetch with one layer a burst)
 //   group_done       handler.on_group_backward_done (the late prefetch and finish are called as they are)
-//   finish_release   the body of handler.finish for a step that did not fail: host buffers back to the pool (its
-//                    common answer here, HostBufferPool.release otherwise), the counts, every reference let go
+//   finish_release   the body of handler.finish for a step that did not fail: host buffers back to the pool
+//                    (pool_calls.cpp: release_fast), the counts, every reference let go
 //
 // These run once per group (finish_release once per chunk and microbatch) on the backward's host path, where each
 // Python frame is step time in a launch-bound step (about 110 µs a group of Python in session 33's breakdown of A).
@@ -56,27 +56,7 @@ PyObject* s_on_handler_finished;
 PyObject* s_pool;
 PyObject* s_routed_owner;
 PyObject* s_free;
-PyObject* s_release;
 PyObject* s_release_host;
-PyObject* s_base;
-
-// An owned reference, let go at the end of its scope
-class Ref {
- public:
-  explicit Ref(PyObject* p = nullptr) : p_(p) {}
-  ~Ref() { Py_XDECREF(p_); }
-  Ref(const Ref&) = delete;
-  Ref& operator=(const Ref&) = delete;
-  PyObject* get() const { return p_; }
-  explicit operator bool() const { return p_ != nullptr; }
-  void reset(PyObject* p) {  // takes ``p`` (a new reference)
-    Py_XDECREF(p_);
-    p_ = p;
-  }
-
- private:
-  PyObject* p_;
-};
 
 // getattr(obj, name) as a C long (-1 with an error set on failure; callers check PyErr_Occurred)
 long attr_long(PyObject* obj, PyObject* name) {
@@ -345,45 +325,6 @@ PyObject* module_group_done(PyObject*, PyObject* args) {
   END_HANDLE_TH_ERRORS
 }
 
-// HostBufferPool.release(buf, event) where its answer is a list append (a buffer of a size class the pool knows, not
-// a routed one); the method otherwise. free_by_class, routed_owner: the pool's dicts (-1: error)
-int pool_release(PyObject* pool, PyObject* free_by_class, PyObject* routed_owner, PyObject* buf, PyObject* event) {
-  bool fast = THPVariable_Check(buf) && PyDict_Check(free_by_class) && PyDict_Check(routed_owner);
-  Ref base;
-  if (fast) {  // the buffer itself, or the buffer a slice was cut from
-    base.reset(PyObject_GetAttr(buf, s_base));
-    if (!base) return -1;
-    if (base.get() == Py_None) {
-      Py_INCREF(buf);
-      base.reset(buf);
-    }
-    fast = THPVariable_Check(base.get());
-  }
-  PyObject* free = nullptr;  // borrowed
-  if (fast) {
-    const at::Tensor& b = THPVariable_Unpack(base.get());
-    if (PyDict_GET_SIZE(routed_owner) > 0) {
-      Ref ptr(PyLong_FromVoidPtr(b.data_ptr()));
-      if (!ptr) return -1;
-      PyObject* key = PyDict_GetItemWithError(routed_owner, ptr.get());
-      if (key == nullptr && PyErr_Occurred()) return -1;
-      fast = key == nullptr || key == Py_None;
-    }
-    if (fast) {
-      Ref cls(PyLong_FromLongLong(b.numel()));
-      if (!cls) return -1;
-      free = PyDict_GetItemWithError(free_by_class, cls.get());
-      if (free == nullptr && PyErr_Occurred()) return -1;
-    }
-  }
-  if (free == nullptr || !PyList_Check(free)) {  // a new size class (kept sorted), a routed buffer, another type
-    Ref r(PyObject_CallMethodObjArgs(pool, s_release, buf, event, nullptr));
-    return r ? 0 : -1;
-  }
-  Ref item(PyTuple_Pack(2, base.get(), event));
-  return item ? PyList_Append(free, item.get()) : -1;
-}
-
 // finish_release(handler, pool): handler.finish's work after it marked the handler finished, for a step that did not
 // fail. ``pool``: the transport's HostBufferPool where its release_host is the pool's release, else None (the method
 // is called for each buffer)
@@ -418,7 +359,7 @@ PyObject* module_finish_release(PyObject*, PyObject* args) {
       Ref event(PyObject_GetAttr(e, s_h2d_event));
       if (!event) return nullptr;
       if (pool != Py_None) {
-        if (pool_release(pool, free_by_class.get(), routed_owner.get(), host.get(), event.get()) < 0) return nullptr;
+        if (release_fast(pool, free_by_class.get(), routed_owner.get(), host.get(), event.get()) < 0) return nullptr;
       } else {
         Ref r(PyObject_CallMethodObjArgs(transport.get(), s_release_host, host.get(), event.get(), nullptr));
         if (!r) return nullptr;
@@ -482,8 +423,8 @@ bool backward_names_ready() {
       {&s_late_method, "_late"}, {&s_prefetch_layer_below, "_prefetch_layer_below"}, {&s_finish, "finish"},
       {&s_opened, "opened"}, {&s_refs, "refs"}, {&s_storage_ref, "storage_ref"}, {&s_live, "live"},
       {&s_on_hosts_freed, "on_hosts_freed"}, {&s_on_handler_finished, "on_handler_finished"}, {&s_pool, "pool"},
-      {&s_routed_owner, "_routed_owner"}, {&s_free, "_free"}, {&s_release, "release"},
-      {&s_release_host, "release_host"}, {&s_base, "_base"}};
+      {&s_routed_owner, "_routed_owner"}, {&s_free, "_free"},
+      {&s_release_host, "release_host"}};
   return intern_names(names, sizeof(names) / sizeof(names[0]));
 }
 

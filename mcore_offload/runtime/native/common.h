@@ -64,6 +64,24 @@ struct NameSlot {
 };
 bool intern_names(const NameSlot* names, size_t count);
 
+// An owned Python reference, let go at the end of its scope (backward.cpp, pool_calls.cpp)
+class Ref {
+ public:
+  explicit Ref(PyObject* p = nullptr) : p_(p) {}
+  ~Ref() { Py_XDECREF(p_); }
+  Ref(const Ref&) = delete;
+  Ref& operator=(const Ref&) = delete;
+  PyObject* get() const { return p_; }
+  explicit operator bool() const { return p_ != nullptr; }
+  void reset(PyObject* p) {  // takes ``p`` (a new reference)
+    Py_XDECREF(p_);
+    p_ = p;
+  }
+
+ private:
+  PyObject* p_;
+};
+
 int64_t now_ns();
 // obj.<name> += delta (-1 on a Python error): the counters the Python code keeps (runtime_ns, parameters, users)
 int add_to_attr(PyObject* obj, PyObject* name, int64_t delta);
@@ -141,6 +159,10 @@ extern PyMethodDef burst_clock_methods[];
 // pool_calls.cpp: HostBufferPool.acquire_base's common answers, a new (buffer, event) reference; nullptr without an
 // error where the Python method must decide, nullptr with an error set on an error
 PyObject* acquire_fast(PyObject* pool, long long nbytes, PyObject* routed);
+// pool_calls.cpp: HostBufferPool.release(buf, event) where the answer is a list append (a buffer of a size class the
+// pool knows, not a routed one), the method otherwise; free_by_class, routed_owner: the pool's _free and _routed_owner
+// (-1: error)
+int release_fast(PyObject* pool, PyObject* free_by_class, PyObject* routed_owner, PyObject* buf, PyObject* event);
 
 // entry.cpp: Entry(point, nbytes, host, d2h_event, device_ptr) and Released(handler, ptr, entry) as new references
 // (nullptr: error set); entry.storage_ref = weak (stolen); the two types readied and Entry added to the module

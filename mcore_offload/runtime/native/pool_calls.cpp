@@ -1,5 +1,6 @@
 // HostBufferPool's common answers in C++ (see __init__.py for why and how this is built): what the copy-out burst
-// (bursts.cpp) asks the pool for once per storage, without a Python frame where the answer is a list pop. Every other
+// (bursts.cpp) asks the pool for once per storage, without a Python frame where the answer is a list pop, and what a
+// chunk's finish (backward.cpp) hands back once per buffer, where the answer is a list append. Every other
 // case (a search through larger size classes, an allocation, a routed buffer that does not fit) is the Python method's,
 // so the pool keeps one owner of its rules (runtime/host_pool.py); tests/test_native_bursts.py checks that the buffers
 // handed out are the Python method's.
@@ -69,6 +70,45 @@ PyObject* acquire_fast(PyObject* pool, long long nbytes, PyObject* routed) {
   Py_XDECREF(free_by_key);
   Py_XDECREF(largest);
   return out;
+}
+
+// HostBufferPool.release's common case without its Python frame: the buffer (or the buffer a slice was cut from) goes
+// on its size class's free list with the event of the last copy that read it
+int release_fast(PyObject* pool, PyObject* free_by_class, PyObject* routed_owner, PyObject* buf, PyObject* event) {
+  bool fast = THPVariable_Check(buf) && PyDict_Check(free_by_class) && PyDict_Check(routed_owner);
+  Ref base;
+  if (fast) {
+    base.reset(PyObject_GetAttrString(buf, "_base"));
+    if (!base) return -1;
+    if (base.get() == Py_None) {
+      Py_INCREF(buf);
+      base.reset(buf);
+    }
+    fast = THPVariable_Check(base.get());
+  }
+  PyObject* free = nullptr;  // borrowed
+  if (fast) {
+    const at::Tensor& b = THPVariable_Unpack(base.get());
+    if (PyDict_GET_SIZE(routed_owner) > 0) {
+      Ref ptr(PyLong_FromVoidPtr(b.data_ptr()));
+      if (!ptr) return -1;
+      PyObject* key = PyDict_GetItemWithError(routed_owner, ptr.get());
+      if (key == nullptr && PyErr_Occurred()) return -1;
+      fast = key == nullptr || key == Py_None;
+    }
+    if (fast) {
+      Ref cls(PyLong_FromLongLong(b.numel()));
+      if (!cls) return -1;
+      free = PyDict_GetItemWithError(free_by_class, cls.get());
+      if (free == nullptr && PyErr_Occurred()) return -1;
+    }
+  }
+  if (free == nullptr || !PyList_Check(free)) {  // a new size class (kept sorted), a routed buffer, another type
+    Ref r(PyObject_CallMethod(pool, "release", "OO", buf, event));
+    return r ? 0 : -1;
+  }
+  Ref item(PyTuple_Pack(2, base.get(), event));
+  return item ? PyList_Append(free, item.get()) : -1;
 }
 
 }  // namespace mco
