@@ -293,12 +293,12 @@ PyObject* module_group_done(PyObject*, PyObject* args) {
     if (users - 1 == 0 && PyObject_SetAttr(e, s_device_storage, Py_None) < 0) return nullptr;
   }
   long index = attr_long(group, s_index);
-  if (index == -1 && PyErr_Occurred()) return nullptr;
+  Ref groups(index == -1 && PyErr_Occurred() ? nullptr : PyObject_GetAttr(handler, s_groups));
+  if (!groups) return nullptr;
   if (index >= 0) {  // one of handler.groups (a group that saved nothing was never committed there)
     if (add_to_attr(handler, s_groups_done, 1) < 0) return nullptr;
     if (index > 0) {
-      Ref groups(PyObject_GetAttr(handler, s_groups));
-      Ref prev(groups ? PySequence_GetItem(groups.get(), index - 1) : nullptr);
+      Ref prev(PySequence_GetItem(groups.get(), index - 1));
       long prev_layer = prev ? attr_long(prev.get(), s_layer) : -1;
       long layer = prev ? attr_long(group, s_layer) : -1;
       if (PyErr_Occurred()) return nullptr;
@@ -314,8 +314,7 @@ PyObject* module_group_done(PyObject*, PyObject* args) {
     }
   }
   long groups_done = attr_long(handler, s_groups_done);
-  Ref groups(PyObject_GetAttr(handler, s_groups));
-  Py_ssize_t n = groups ? PyObject_Length(groups.get()) : -1;
+  Py_ssize_t n = PyObject_Length(groups.get());  // only finish replaces handler.groups
   if (n < 0 || (groups_done == -1 && PyErr_Occurred())) return nullptr;
   if (groups_done == n) {
     Ref r(PyObject_CallMethodObjArgs(handler, s_finish, nullptr));
