@@ -6,8 +6,10 @@ pattern of TEGroupedMLP. ``--pattern attention``: one ``core_attn`` point per la
 (views of one fused projection's output), its output and a small row statistic, the pattern of TE's fused
 attention (A's ``core_attn``). Steps with offloading on and off alternate in one process; the result is the median
 paired difference per layer and microbatch. CPU copies are memcpy, so this measures the runtime's Python and
-bookkeeping, not a GPU step. ``--paused``: the offloading steps run inside ``mcore_offload.paused()``, so the
-difference is what the points cost a step that offloads nothing (``pretrain_gpt.py``'s plain steps).
+bookkeeping, not a GPU step. ``--pattern attention-set``: A's attention set, ``qkv_linear``, ``core_attn`` and
+``attn_proj`` in a row (one chained group a layer). ``--paused``: the offloading steps run inside
+``mcore_offload.paused()``, so the difference is what the points cost a step that offloads nothing
+(``pretrain_gpt.py``'s plain steps).
 ``--stub-cuda``: the transport is the GPU's (``RawCudaTransport``: pinned-pool bookkeeping, events, fences, the C++
 copy loop) over ``cpu_transport_glue.py``'s stub CUDA runtime, whose calls return at once, so the figure is the
 runtime's host time on the GPU's code path less the CUDA calls themselves (needs a C compiler):
@@ -91,6 +93,27 @@ class AttentionChunk(torch.nn.Module):
         return out + x
 
 
+class AttentionSetChunk(AttentionChunk):
+    """A's attention set: ``qkv_linear``, ``core_attn`` and ``attn_proj`` in a row (one chained group a layer)."""
+
+    def __init__(self, layers: int, width: int) -> None:
+        super().__init__(layers, width)
+        self.proj = torch.nn.Parameter(torch.randn(width, width) / width)
+
+    def layer(self, x: torch.Tensor, config: SimpleNamespace) -> torch.Tensor:
+        points.layer_boundary(config)
+        with points.offload("qkv_linear", config, x) as h:
+            qkv = h @ self.qkv
+        qkv = points.commit("qkv_linear", config, qkv)
+        with points.offload("core_attn", config, qkv) as h:
+            out = _Attention.apply(*h.chunk(3, dim=-1))
+        out = points.commit("core_attn", config, out)
+        with points.offload("attn_proj", config, out) as h:
+            out = h @ self.proj
+        out = points.commit("attn_proj", config, out)
+        return out + x
+
+
 class ExpertChunk(torch.nn.Module):
     def __init__(self, layers: int, experts: int) -> None:
         super().__init__()
@@ -116,10 +139,14 @@ class ExpertChunk(torch.nn.Module):
 
 
 def build_pattern(pattern: str, layers: int, experts: int) -> tuple[torch.nn.Module, torch.Tensor, list[str]]:
-    """The chunk of ``pattern`` (``grouped`` or ``attention``), its input and the offload points it has."""
+    """The chunk of ``pattern`` (``grouped``, ``attention`` or ``attention-set``), its input and the offload points
+    it has."""
     if pattern == "grouped":
         return ExpertChunk(layers, experts), torch.randn(experts * 8, 8, requires_grad=True), ["expert_fc1",
                                                                                               "moe_act"]
+    if pattern == "attention-set":
+        return (AttentionSetChunk(layers, 16), torch.randn(64, 16, requires_grad=True),
+                ["qkv_linear", "core_attn", "attn_proj"])
     return AttentionChunk(layers, 16), torch.randn(64, 16, requires_grad=True), ["core_attn"]
 
 
@@ -146,7 +173,7 @@ def points_config(modules: list[str], on: bool) -> SimpleNamespace:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pattern", choices=["grouped", "attention"], default="grouped")
+    p.add_argument("--pattern", choices=["grouped", "attention", "attention-set"], default="grouped")
     p.add_argument("--pairs", type=int, default=400)
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--layers", type=int, default=8)

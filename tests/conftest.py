@@ -67,16 +67,21 @@ def record_packed(monkeypatch, seen: list) -> None:
 
     import torch
 
-    real = torch.autograd.graph.saved_tensors_hooks
+    from mcore_offload.runtime import points
 
-    def recording(pack, unpack):
+    def recorded(pack):
         def pack_and_record(tensor):
             seen.append(weakref.ref(tensor))
             return pack(tensor)
 
-        return real(pack_and_record, unpack)
+        return pack_and_record
 
-    monkeypatch.setattr(torch.autograd.graph, "saved_tensors_hooks", recording)
+    # blocks push their hooks with torch's private call where it exists, else through the context manager
+    real = torch.autograd.graph.saved_tensors_hooks
+    monkeypatch.setattr(torch.autograd.graph, "saved_tensors_hooks", lambda pack, unpack: real(recorded(pack), unpack))
+    if points._push_hooks is not None:
+        real_push = points._push_hooks
+        monkeypatch.setattr(points, "_push_hooks", lambda pack, unpack: real_push(recorded(pack), unpack))
 
 
 @pytest.fixture(scope="module")

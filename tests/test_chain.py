@@ -78,3 +78,92 @@ def test_a_chain_whose_next_point_never_comes_still_reloads_everything():
     last = get_summary().last_step
     assert last.total("offloaded") > 0 and last.total("reloaded") == last.total("offloaded")
     assert get_summary().host_resident_bytes == 0 and not get_manager().handlers
+
+
+def _layer_committing_with(model, commit_config, commit_context):
+    """The Toy's layer, with each point's commit given ``commit_config`` inside ``commit_context()``."""
+    def layer(x, qkv, proj):
+        c = model.config
+        points.layer_boundary(c)
+        with points.offload("qkv_linear", c, x) as h:
+            mixed = qkv(torch.tanh(h))
+        with commit_context():
+            mixed = points.commit("qkv_linear", commit_config, mixed)
+        q, k, v = mixed.split(mixed.shape[-1] // 3, dim=-1)
+        with points.offload("core_attn", c, q) as q:
+            att = torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v
+        with commit_context():
+            att = points.commit("core_attn", commit_config, att)
+        with points.offload("attn_proj", c, att) as att:
+            out = proj(att)
+        with commit_context():
+            out = points.commit("attn_proj", commit_config, out)
+        return x + out
+    return layer
+
+
+@pytest.mark.parametrize("no_grad_commits", [False, True])
+def test_commit_answers_like_handler_for_with_and_without_its_shortcut(monkeypatch, no_grad_commits):
+    """commit() skips handler_for where the block's handler is the forward chunk's and the config its own; a copy of
+    the config takes handler_for's way. Both must give the same groups, bytes and numbers, also where the commits
+    run under no_grad (handler_for says no there: no group is committed, so nothing leaves the device)."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from tests.test_runtime_unit import cfg
+
+    calls = []
+    handler_for = type(get_manager()).handler_for
+
+    def counting(self, config, name):
+        calls.append(name)
+        return handler_for(self, config, name)
+
+    monkeypatch.setattr(type(get_manager()), "handler_for", counting)
+    opened = []
+    open_group = ChunkOffloadHandler.open_group
+    monkeypatch.setattr(ChunkOffloadHandler, "open_group",
+                        lambda self, name: opened.append(name) or open_group(self, name))
+    outcomes = []
+    for copy in (False, True):
+        reset()
+        calls.clear()
+        opened.clear()
+        model = Toy(cfg(*ATTN))
+        commit_config = SimpleNamespace(**vars(model.config)) if copy else model.config
+        model.layer = _layer_committing_with(model, commit_config,
+                                             torch.no_grad if no_grad_commits else contextlib.nullcontext)
+        inputs = [torch.randn(8, 16, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+        losses = train_step(model, inputs)
+        last = get_summary().last_step
+        outcomes.append(([loss.item() for loss in losses], [p.grad.clone() for p in model.parameters()],
+                         len(opened), last and {p: dict(c) for p, c in last.points.items()}))
+        # the shortcut asks handler_for nothing (offload() has one of its own); the copy asks it at every commit
+        assert (len(calls) > 0) if copy else (calls == [])
+        assert get_summary().host_resident_bytes == 0 and not get_manager().handlers
+    (l0, g0, n0, b0), (l1, g1, n1, b1) = outcomes
+    assert l0 == l1 and all(torch.equal(a, b) for a, b in zip(g0, g1))
+    assert n0 == n1 and b0 == b1
+    if no_grad_commits:  # no commit registers: each point opens a group of its own and none is offloaded
+        assert n0 == 18 and b0 is None
+    else:  # one chained group a layer (3 layers, 2 microbatches)
+        assert n0 == 6 and b0["core_attn"]["offloaded"] > 0
+
+
+def test_blocks_fall_back_to_the_hooks_context_where_torch_lacks_the_private_push(monkeypatch):
+    base = run([])
+    entered = []
+    real = torch.autograd.graph.saved_tensors_hooks
+
+    def counting(pack, unpack):
+        entered.append(1)
+        return real(pack, unpack)
+
+    monkeypatch.setattr(points, "_push_hooks", None)
+    monkeypatch.setattr(torch.autograd.graph, "saved_tensors_hooks", counting)
+    reset()
+    got = run(ATTN)
+    for (l0, g0), (l1, g1) in zip(base, got):
+        assert all(torch.equal(a, b) for a, b in zip(l0, l1)) and all(torch.equal(a, b) for a, b in zip(g0, g1))
+    assert len(entered) == 2 * 6 * 3  # 2 steps x 3 layers x 2 microbatches x 3 points
+    assert get_summary().last_step.total("offloaded") > 0 and get_summary().host_resident_bytes == 0

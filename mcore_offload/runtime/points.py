@@ -32,7 +32,7 @@ import torch
 
 from mcore_offload.runtime import manager as _manager_module
 from mcore_offload.runtime.handler import ChunkOffloadHandler
-from mcore_offload.runtime.manager import get_manager
+from mcore_offload.runtime.manager import _in_backward, get_manager
 from mcore_offload.runtime.saved import Group
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -114,6 +114,12 @@ class CommitHook(_NodeHook):
 
 
 _Parameter = torch.nn.Parameter
+_grad_enabled = torch.is_grad_enabled
+# What ``torch.autograd.graph.saved_tensors_hooks`` calls on entry and exit, without a context object of its own per
+# block (the block is the context already); the wrapper where these private names are gone.
+_autograd = getattr(torch._C, "_autograd", None)
+_push_hooks = getattr(_autograd, "_push_saved_tensors_default_hooks", None)
+_pop_hooks = getattr(_autograd, "_pop_saved_tensors_default_hooks", None)
 _start = _fast_apply(GroupStart)
 _commit_node = _fast_apply(GroupCommit)
 
@@ -175,9 +181,13 @@ def offload(name: str | None, config: Any, tensor: torch.Tensor) -> contextlib.A
     if manager is None or manager.forward_handler is None:
         return _Passthrough(tensor)
     forward = manager.forward_handler
-    if config is forward.config and name not in forward.enabled_points:  # a point this config never enables
-        return _Passthrough(tensor)
-    handler = manager.handler_for(config, name)
+    if config is forward.config and manager.auto is None:
+        # handler_for's answer for the forward chunk's own config without auto, without the call
+        if name not in forward.enabled_points or not _grad_enabled() or _in_backward():
+            return _Passthrough(tensor)
+        handler = forward
+    else:
+        handler = manager.handler_for(config, name)
     if handler is None or not isinstance(tensor, torch.Tensor):
         return _Passthrough(tensor)
     chain = manager.chain
@@ -211,6 +221,7 @@ class _OffloadBlock:
 
     __slots__ = ("manager", "handler", "name", "tensor", "group", "hooks", "refs_before", "rejected_before",
                  "parameters_before")
+    # hooks: the saved_tensors_hooks context where torch's private push/pop are missing, else None
 
     def __init__(self, manager: Any, handler: ChunkOffloadHandler, name: str, tensor: torch.Tensor,
                  joined: Group | None = None) -> None:
@@ -232,18 +243,24 @@ class _OffloadBlock:
         self.parameters_before = group.parameters
         native = self.manager.native
         if native is not None:  # the same hooks in C++ (runtime/native/hooks.cpp)
-            self.hooks = torch.autograd.graph.saved_tensors_hooks(native.Packer(handler, group, name),
-                                                                  native.Unpacker(handler))
+            pack, unpack = native.Packer(handler, group, name), native.Unpacker(handler)
         else:
-            self.hooks = torch.autograd.graph.saved_tensors_hooks(_python_pack(handler, group, name),
-                                                                  handler.tensor_pop)
-        self.hooks.__enter__()
+            pack, unpack = _python_pack(handler, group, name), handler.tensor_pop
+        if _push_hooks is not None and _pop_hooks is not None:
+            self.hooks = None
+            _push_hooks(pack, unpack)
+        else:
+            self.hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+            self.hooks.__enter__()
         self.manager.summary.runtime_ns += perf_counter_ns() - t0
         return tensor
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         t0 = perf_counter_ns()
-        self.hooks.__exit__(exc_type, exc, tb)
+        if self.hooks is None:
+            _pop_hooks()
+        else:
+            self.hooks.__exit__(exc_type, exc, tb)
         if exc_type is None:  # a block that raised leaves its group uncommitted (finish() cuts it loose)
             group = self.group
             self.manager.open_groups[self.name] = (self.handler, group)
@@ -258,24 +275,35 @@ def commit(name: str | None, config: Any, value: Any) -> Any:
     """Mark the end of point ``name``; ``value`` is a tensor or a tuple/list whose first item is one."""
     manager = _manager_module._MANAGER
     # Only a point whose offload block registered a group has anything to do here (cheap exit for the rest).
-    if name is None or manager is None or name not in manager.open_groups:
+    if name is None or manager is None:
         return value
-    handler = manager.handler_for(config, name)
+    opened = manager.open_groups.get(name)
+    if opened is None:
+        return value
+    opened_by = opened[0]
+    # handler_for's answer, without the call, where the block's handler is still the forward chunk's and the
+    # config its own, without auto
+    fast = opened_by is manager.forward_handler and config is opened_by.config and manager.auto is None
+    if fast:
+        handler = opened_by if name in opened_by.enabled_points and _grad_enabled() and not _in_backward() else None
+    else:
+        handler = manager.handler_for(config, name)
     if handler is None:
         return value
     t0 = perf_counter_ns()
     try:
-        return _commit(manager, handler, config, name, value)
+        return _commit(manager, handler, config, name, value, fast)
     finally:
         manager.summary.runtime_ns += perf_counter_ns() - t0
 
 
-def _commit(manager: Any, handler: ChunkOffloadHandler, config: Any, name: str, value: Any) -> Any:
+def _commit(manager: Any, handler: ChunkOffloadHandler, config: Any, name: str, value: Any, fast: bool) -> Any:
     opened_by, group = manager.open_groups.pop(name)
     if opened_by is not handler:  # opened by a chunk whose forward has ended
         return value
     follower = CHAIN_NEXT.get(name)
-    if follower is not None and manager.chaining and manager.handler_for(config, follower) is handler:
+    if follower is not None and manager.chaining and (
+            follower in handler.enabled_points if fast else manager.handler_for(config, follower) is handler):
         # The next point of this layer is on too: it joins this group, so the pair costs one start node, one
         # commit node and one group's bookkeeping instead of two of each.
         manager.chain = (handler, group, follower)
