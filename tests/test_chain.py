@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -107,11 +110,6 @@ def test_commit_answers_like_handler_for_with_and_without_its_shortcut(monkeypat
     """commit() skips handler_for where the block's handler is the forward chunk's and the config its own; a copy of
     the config takes handler_for's way. Both must give the same groups, bytes and numbers, also where the commits
     run under no_grad (handler_for says no there: no group is committed, so nothing leaves the device)."""
-    import contextlib
-    from types import SimpleNamespace
-
-    from tests.test_runtime_unit import cfg
-
     calls = []
     handler_for = type(get_manager()).handler_for
 

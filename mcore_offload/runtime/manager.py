@@ -256,7 +256,10 @@ class OffloadManager:
         self.summary.runtime_ns += perf_counter_ns() - t0
 
     def handler_for(self, config: Any, name: str | None) -> ChunkOffloadHandler | None:
-        """The handler an offload point should use now, or None when the point is off."""
+        """The handler an offload point should use now, or None when the point is off.
+
+        ``points.offload`` and ``points.commit`` answer the common case (the forward chunk's own config, no auto)
+        inline, without this call: a change here changes them too (tests/test_chain.py compares the two ways)."""
         handler = self.forward_handler
         if handler is None:
             return None
