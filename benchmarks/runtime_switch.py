@@ -9,8 +9,9 @@ runs of one command read +6.0 and +11.5 % on one rank), so a setting is judged t
 Only settings the runtime reads afresh at every use, and that no state carries from one step to the next, can be
 switched between steps: the layers per copy-out burst (``flush_layers``, ``MCORE_OFFLOAD_FLUSH_LAYERS``) and per
 reload burst (``reload_layers``, ``MCORE_OFFLOAD_RELOAD_LAYERS``), and when backward reloads the layer below
-(``prefetch``, ``MCORE_OFFLOAD_PREFETCH``: ``layer``, ``tail`` or ``late``; Δpeak against reload stall). Benchmark
-tooling only: the library never imports it.
+(``prefetch``, ``MCORE_OFFLOAD_PREFETCH``: ``layer``, ``tail`` or ``late``; Δpeak against reload stall), and whether
+the offload points' forward glue is the C++ one (``native_points``, ``on`` or ``off``; ``MCORE_OFFLOAD_NATIVE_POINTS``:
+each step's hooks are registered and run within it). Benchmark tooling only: the library never imports it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,23 @@ from typing import Any
 #: settings that may change between steps (each the OffloadManager attribute it sets), and their values: None for a
 #: positive whole number of layers, else the words allowed
 SWITCHABLE: dict[str, tuple[str, ...] | None] = {"flush_layers": None, "reload_layers": None,
-                                                 "prefetch": ("layer", "tail", "late")}
+                                                 "prefetch": ("layer", "tail", "late"), "native_points": ("on", "off")}
+
+
+def _get(manager: Any, key: str) -> int | str:
+    """The manager's setting ``key`` in this module's words (``native_points`` holds the C++ module or None)."""
+    value = getattr(manager, key)
+    return ("on" if value is not None else "off") if key == "native_points" else value
+
+
+def _set(manager: Any, key: str, value: int | str) -> None:
+    if key == "native_points":
+        if value == "on" and manager.native is None:
+            raise SystemExit("--alternate-runtime native_points=on needs the C++ hooks: they did not load here "
+                             "(MCORE_OFFLOAD_NATIVE)")
+        setattr(manager, key, manager.native if value == "on" else None)
+    else:
+        setattr(manager, key, value)
 
 
 def parse_settings(items: list[str]) -> dict[str, int | str]:
@@ -64,13 +81,13 @@ class RuntimeSwitch:
     def start_step(self, under_test: bool) -> None:
         manager = self._manager()
         if self.defaults is None:
-            self.defaults = {key: getattr(manager, key) for key in self.settings}
+            self.defaults = {key: _get(manager, key) for key in self.settings}
         for key, value in (self.settings if under_test else self.defaults).items():
-            setattr(manager, key, value)
+            _set(manager, key, value)
 
     def end_step(self) -> None:
         manager = self._manager()
-        self.held.append({key: getattr(manager, key) for key in self.settings})
+        self.held.append({key: _get(manager, key) for key in self.settings})
 
     def as_dict(self, per_step: dict[str, list], under_test: list[bool], first: int) -> dict[str, Any]:
         """What was switched, what each step held, and from step ``first`` on the medians of the runtime's per-step

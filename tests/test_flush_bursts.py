@@ -325,6 +325,9 @@ def test_prefetch_mode_sets_when_the_layer_below_comes_back_with_equal_values(mo
         return out
 
     base = values([])
+    # the points' Python glue, whose hooks call the handler's method recorded below (the C++ hooks of
+    # points_block.cpp call backward.cpp directly)
+    monkeypatch.setenv("MCORE_OFFLOAD_NATIVE_POINTS", "0")
     manager_module.reset()
     monkeypatch.setenv("MCORE_OFFLOAD_PREFETCH", mode)
     seen: list[tuple[int, int, bool, bool]] = []  # (microbatch, layer, kept, layer below resident) at each done
@@ -359,6 +362,7 @@ def test_a_late_reload_gives_each_group_its_own_done_event_and_wait(monkeypatch,
 
     names = ["qkv_linear", "attn_proj"]
     base, _ = _run([], layers=4, steps=2, microbatches=1)
+    monkeypatch.setenv("MCORE_OFFLOAD_NATIVE_POINTS", "0")  # hooks that call the method recorded below
     manager_module.reset()
     monkeypatch.setenv("MCORE_OFFLOAD_PREFETCH", mode)
     parts: list[list[int] | None] = []

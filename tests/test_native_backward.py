@@ -50,6 +50,8 @@ def _train(rt, monkeypatch, use_cpp: bool, names, steps=4, microbatches=3, layer
     """Training steps of the toy model over the logging stub runtime: (losses and gradients per step, the CUDA calls
     without addresses, the per-step counters, end state, how often each C++ function did the work or stood aside)."""
     answers: Counter = Counter()
+    # the points' Python glue, whose hooks call the handler's methods (points_block.cpp's call backward.cpp directly)
+    monkeypatch.setenv("MCORE_OFFLOAD_NATIVE_POINTS", "0")
     real = native_module.load_native()
     assert real is not None and all(hasattr(real, f) for f in BACKWARD)
     monkeypatch.setattr(manager_module, "load_native", lambda: _Native(real, use_cpp, answers))

@@ -19,13 +19,21 @@ the slowdown per GB/s: ``(ratio - 1) / GBps``; then the same against each window
 the cost is linear in the rate (per byte).
 
     python3 benchmarks/gpu/dma_pacing.py [--duties 1 0.5 0.25] [--windows 80] [--out dma_pacing.json]
+
+``--host-memory`` takes several kinds; their copy conditions then interleave in the one shuffled run (named
+``h2d@1:huge``), against the same ``none`` windows. ``registered`` is anonymous memory page-locked with
+``cudaHostRegister``; ``huge`` the same with ``madvise(MADV_HUGEPAGE)`` before it is touched (transparent 2 MiB pages
+where the kernel allows them; the share of the buffers that got them is printed): whether the H2D slowdown is the
+translation of 4 KiB pages rather than the traffic itself.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import random
+import re
 import statistics
 import sys
 import time
@@ -109,6 +117,39 @@ def local_ratios(sequence: list[tuple[str, float]], neighbours: int = 4, draws: 
     return out
 
 
+HUGE = 2 << 20
+
+
+def registered_tensor(nbytes: int, huge: bool, keep: list) -> torch.Tensor:
+    """``nbytes`` of anonymous memory, 2 MiB aligned, huge-page advised if ``huge``, touched, then page-locked with
+    ``cudaHostRegister`` (the mapping goes into ``keep``: it must outlive the tensor)."""
+    m = mmap.mmap(-1, nbytes + HUGE)
+    buf = torch.frombuffer(m, dtype=torch.uint8)
+    start = -buf.data_ptr() % HUGE
+    if huge:
+        m.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
+    t = buf[start:start + nbytes]
+    t.fill_(1)
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
+    assert int(err) == 0, f"cudaHostRegister failed: {err}"
+    keep.append(m)
+    return t
+
+
+def huge_share(t: torch.Tensor) -> float:
+    """The share of ``t``'s bytes backed by transparent huge pages (this process's smaps)."""
+    lo, hi = t.data_ptr(), t.data_ptr() + t.numel()
+    share, current = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        m = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+        if m:
+            a, b = int(m.group(1), 16), int(m.group(2), 16)
+            current = a < hi and b > lo
+        elif current and line.startswith("AnonHugePages:"):
+            share += int(line.split()[1]) * 1024
+    return share / t.numel()
+
+
 def host_work(n: int, x: torch.Tensor, y: torch.Tensor) -> float:
     """µs per unit: one tiny launch and a little Python, the shape of a launch-bound step's host loop."""
     t0 = time.perf_counter_ns()
@@ -128,26 +169,43 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--units", type=int, default=1500, help="host work units a window (~15-25 ms)")
     p.add_argument("--span-ms", type=float, default=90.0, help="queued copy sequence per window")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--host-memory", choices=["pinned", "write-combined"], default="pinned",
-                   help="the host buffers: PyTorch's pinned memory, or cudaHostAlloc(cudaHostAllocWriteCombined) "
-                        "(MCORE_OFFLOAD_HOST_MEMORY=write-combined in the runtime)")
+    p.add_argument("--host-memory", choices=["pinned", "write-combined", "registered", "huge"], nargs="+",
+                   default=["pinned"],
+                   help="the host buffers: PyTorch's pinned memory, cudaHostAlloc(cudaHostAllocWriteCombined) "
+                        "(MCORE_OFFLOAD_HOST_MEMORY=write-combined in the runtime), or anonymous memory registered "
+                        "with cudaHostRegister, with 4 KiB or transparent 2 MiB pages; several interleave")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     assert torch.cuda.is_available(), "needs a GPU"
     rt = load_runtime()
     assert rt is not None, "needs the CUDA runtime PyTorch has mapped (raw copies)"
     devs = {d: torch.empty(256 << 20, dtype=torch.uint8, device="cuda") for d in ("d2h", "h2d")}
-    if args.host_memory == "write-combined":
-        hosts = {d: rt.host_tensor(256 << 20, HOST_ALLOC_WRITE_COMBINED) for d in ("d2h", "h2d")}
-    else:
-        hosts = {d: torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True) for d in ("d2h", "h2d")}
+    mappings: list = []
+
+    def host_buffer(kind: str) -> torch.Tensor:
+        if kind == "write-combined":
+            return rt.host_tensor(256 << 20, HOST_ALLOC_WRITE_COMBINED)
+        if kind in ("registered", "huge"):
+            return registered_tensor(256 << 20, kind == "huge", mappings)
+        return torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)
+
+    memories = list(dict.fromkeys(args.host_memory))
+    host_sets = {mem: {d: host_buffer(mem) for d in ("d2h", "h2d")} for mem in memories}
+    shares = {mem: min(huge_share(t) for t in hs.values()) for mem, hs in host_sets.items()
+              if mem in ("registered", "huge")}
+    if shares:
+        print("huge-page share of the host buffers: " + ", ".join(f"{m} {v:.2f}" for m, v in shares.items()))
     streams = {d: torch.cuda.Stream() for d in ("d2h", "h2d")}
     x, y = torch.zeros(256, device="cuda"), torch.empty(256, device="cuda")
     cycles_us = sleep_cycles_per_us()
     # every window queues both streams' sequences (copies or their sleep stand-ins), so every condition makes the
     # same host calls before its window and keeps the same streams busy: only the PCIe traffic differs
     kinds = {"none": (), "d2h": ("d2h",), "h2d": ("h2d",), "both": ("d2h", "h2d")}
-    conditions = [f"{k}@{duty:g}" for duty in args.duties for k in kinds]
+    suffix = {mem: f":{mem}" if len(memories) > 1 else "" for mem in memories}
+    conditions = [f"{k}@{duty:g}{'' if k == 'none' else suffix[mem]}" for duty in args.duties for k in kinds
+                  for mem in (memories[:1] if k == "none" else memories)]
+    memory_of = {c: next((m for m in memories if suffix[m] and c.endswith(suffix[m])), memories[0])
+                 for c in conditions}
     host_work(args.units // 4, x, y)
     torch.cuda.synchronize()
     work: dict[str, list[float]] = {c: [] for c in conditions}
@@ -158,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     random.Random(args.seed).shuffle(order)
     for i, cond in enumerate(order):
         kind, _, duty = cond.partition("@")
+        duty = duty.partition(":")[0]
+        hosts = host_sets[memory_of[cond]]
         spans = [(d, *queue_paced(rt, d if d in kinds[kind] else None, devs[d], hosts[d], streams[d], args.span_ms,
                                   float(duty), cycles_us)) for d in ("d2h", "h2d")]
         time.sleep(0.002)  # let the copies start
@@ -177,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = {}
     print(f"{'condition':<12}{'windows':>8}{'us/unit':>10}{'x none':>8}{'GB/s':>14}{'(x-1)/GBps %':>15}")
     for c in conditions:
-        control = work[f"none@{c.partition('@')[2]}"]
+        control = work[f"none@{c.partition('@')[2].partition(':')[0]}"]
         if not work[c] or not control:
             rows[c] = {"windows": len(work[c]), "outlived": outlived[c]}
             print(f"{c:<12}{len(work[c]):>8}  (no windows here or in its control: raise --span-ms)")
@@ -205,8 +265,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps({
             "device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args),
-            "sleep_cycles_per_us": cycles_us, "piece_bytes": PIECE, "conditions": rows, "raw_us": work,
-            "sequence": sequence}, indent=1))
+            "sleep_cycles_per_us": cycles_us, "huge_page_share": shares, "piece_bytes": PIECE,
+            "conditions": rows, "raw_us": work, "sequence": sequence}, indent=1))
+    for mem in memories:  # unregistered before the mappings go
+        if mem in ("registered", "huge"):
+            for t in host_sets[mem].values():
+                torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
     return 0
 
 

@@ -150,6 +150,9 @@ class OffloadManager:
         self.side_streams = side_stream_kind()  # and a bad MCORE_OFFLOAD_SIDE_STREAMS
         # the C++ saved-tensor hooks (runtime/native), or None: the Python ones (MCORE_OFFLOAD_NATIVE)
         self.native = load_native()
+        # the offload points' forward glue in C++ (runtime/native/points_block.cpp) where the C++ hooks are loaded;
+        # MCORE_OFFLOAD_NATIVE_POINTS=0: points.py's Python glue with the C++ hooks (for comparisons)
+        self.native_points = self.native if os.environ.get("MCORE_OFFLOAD_NATIVE_POINTS", "1") != "0" else None
         # vp_stage -> the layers its chunk ran in its last finished forward (layer_boundary aligns bursts to it)
         self._chunk_layers: dict[int | None, int] = {}
         # (vp_stage, microbatch) of the chunks whose own backward came right after their forward, in the last

@@ -180,6 +180,11 @@ def offload(name: str | None, config: Any, tensor: torch.Tensor) -> contextlib.A
     # no forward handler: not a training forward, or offloading is off (the common case: a cheap exit)
     if manager is None or manager.forward_handler is None:
         return _Passthrough(tensor)
+    native = manager.native_points
+    if native is not None:  # the same in C++ (runtime/native/points_block.cpp), None where this function decides
+        block = native.offload_block(manager, name, config, tensor)
+        if block is not None:
+            return block
     forward = manager.forward_handler
     if config is forward.config and manager.auto is None:
         # handler_for's answer for the forward chunk's own config without auto, without the call
@@ -265,10 +270,17 @@ class _OffloadBlock:
             group = self.group
             self.manager.open_groups[self.name] = (self.handler, group)
             if len(group.refs) == self.refs_before:
-                rejected = {k: n - self.rejected_before.get(k, 0) for k, n in group.rejected.items()}
-                rejected["parameter"] = rejected.get("parameter", 0) + group.parameters - self.parameters_before
-                self.manager.point_saved_nothing(self.name, {k: n for k, n in rejected.items() if n})
+                _saved_nothing(self.manager, self.name, group, self.rejected_before, self.parameters_before)
         self.manager.summary.runtime_ns += perf_counter_ns() - t0
+
+
+def _saved_nothing(manager: Any, name: str, group: Group, rejected_before: dict[str, int],
+                   parameters_before: int) -> None:
+    """A block of point ``name`` ended without adding a tensor to offload: say why its saved tensors stayed (the
+    C++ block calls this too)."""
+    rejected = {k: n - rejected_before.get(k, 0) for k, n in group.rejected.items()}
+    rejected["parameter"] = rejected.get("parameter", 0) + group.parameters - parameters_before
+    manager.point_saved_nothing(name, {k: n for k, n in rejected.items() if n})
 
 
 def commit(name: str | None, config: Any, value: Any) -> Any:
@@ -280,6 +292,11 @@ def commit(name: str | None, config: Any, value: Any) -> Any:
     opened = manager.open_groups.get(name)
     if opened is None:
         return value
+    native = manager.native_points
+    if native is not None:  # the same in C++ (runtime/native/points_block.cpp), NotImplemented where this decides
+        out = native.commit_point(manager, opened, name, config, value)
+        if out is not NotImplemented:
+            return out
     opened_by = opened[0]
     # handler_for's answer, without the call, where the block's handler is still the forward chunk's and the
     # config its own, without auto

@@ -3,7 +3,8 @@
 allocations; ``bursts.cpp``: the raw transport's copy bursts whole, with ``pool_calls.cpp`` (the pool's common
 answers) and ``burst_clock.cpp`` (their phase clock); ``reload.cpp``: the reload's bookkeeping; ``backward.cpp``: a
 group's backward (its reload, wait and prefetch, its end, the chunk's finish); ``node_hooks.cpp``:
-the group hooks on autograd nodes; ``module.cpp``: the module and what they share), built on first use with PyTorch's
+the group hooks on autograd nodes; ``points_block.cpp``: the offload points' forward glue; ``module.cpp``: the module
+and what they share), built on first use with PyTorch's
 extension builder.
 
 Why: in a launch-bound step (config A on an H100) the runtime's host time is step time, and some of its steps run once
@@ -47,7 +48,7 @@ logger = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("module.cpp", "hooks.cpp", "copy_path.cpp", "held_checks.cpp", "copy_calls.cpp",
                              "bursts.cpp", "pool_calls.cpp", "burst_clock.cpp", "entry.cpp", "reload.cpp",
-                             "backward.cpp", "node_hooks.cpp"))
+                             "backward.cpp", "node_hooks.cpp", "points_block.cpp"))
 HEADERS = (Path(__file__).with_name("common.h"),)
 MODES = ("auto", "0", "1")
 

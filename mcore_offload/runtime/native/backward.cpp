@@ -238,36 +238,96 @@ int wait_latest(PyObject* handler, PyObject* entries) {
   return r ? 0 : -1;
 }
 
+}  // namespace
+
+// handler.on_group_commit_backward's common case: 1 done, 0 nothing done (the Python method must run), -1 error set
+int commit_backward_impl(PyObject* handler, PyObject* group) {
+  Ref manager(PyObject_GetAttr(handler, s_manager));
+  if (!manager) return -1;
+  int fast = commit_fast_path(handler, manager.get());
+  int mode = fast > 0 ? prefetch_mode(manager.get()) : 0;
+  if (fast < 0 || mode < 0) return -1;
+  if (fast == 0) return 0;
+  // manager.on_backward, with no chain to close and no other chunk to flush: _forward_ended's layer count
+  Ref layers(PyObject_GetAttr(handler, s_layers));
+  int any = layers ? PyObject_IsTrue(layers.get()) : -1;
+  if (any < 0) return -1;
+  if (any) {
+    Ref chunk_layers(PyObject_GetAttr(manager.get(), s_chunk_layers));
+    Ref vp(chunk_layers ? PyObject_GetAttr(handler, s_vp_stage) : nullptr);
+    if (!vp || PyObject_SetItem(chunk_layers.get(), vp.get(), layers.get()) < 0) return -1;
+  }
+  Ref entries(PyObject_GetAttr(group, s_entries));
+  Ref runs(entries ? PyTuple_Pack(1, entries.get()) : nullptr);
+  if (!runs || reload_runs(handler, runs.get(), true) < 0 || wait_latest(handler, entries.get()) < 0 ||
+      prefetch(handler, group, mode) < 0)
+    return -1;
+  long current = attr_long(handler, s_current_group);
+  if ((current == -1 && PyErr_Occurred()) || set_long(handler, s_current_group, current > 1 ? current - 1 : 0) < 0)
+    return -1;
+  return 1;
+}
+
+// handler.on_group_backward_done's common case: 1 done (or the group was done already), 0 nothing done (the Python
+// method must run), -1 error set
+int group_done_impl(PyObject* handler, PyObject* group) {
+  int done = attr_true(group, s_done);
+  if (done != 0) return done < 0 ? -1 : 1;
+  Ref manager(PyObject_GetAttr(handler, s_manager));
+  Ref chain(manager ? PyObject_GetAttr(manager.get(), s_chain) : nullptr);
+  if (!chain) return -1;
+  if (chain.get() != Py_None) return 0;  // the method lets go of a broken chain's group
+  if (PyObject_SetAttr(group, s_done, Py_True) < 0) return -1;
+  Ref seq(attr_items(group, s_entries));
+  if (!seq) return -1;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq.get()); ++i) {
+    PyObject* e = PySequence_Fast_GET_ITEM(seq.get(), i);
+    long users = attr_long(e, s_users);
+    if ((users == -1 && PyErr_Occurred()) || set_long(e, s_users, users - 1) < 0) return -1;
+    if (users - 1 == 0 && PyObject_SetAttr(e, s_device_storage, Py_None) < 0) return -1;
+  }
+  long index = attr_long(group, s_index);
+  Ref groups(index == -1 && PyErr_Occurred() ? nullptr : PyObject_GetAttr(handler, s_groups));
+  if (!groups) return -1;
+  if (index >= 0) {  // one of handler.groups (a group that saved nothing was never committed there)
+    if (add_to_attr(handler, s_groups_done, 1) < 0) return -1;
+    if (index > 0) {
+      Ref prev(PySequence_GetItem(groups.get(), index - 1));
+      long prev_layer = prev ? attr_long(prev.get(), s_layer) : -1;
+      long layer = prev ? attr_long(group, s_layer) : -1;
+      if (PyErr_Occurred()) return -1;
+      if (prev_layer < layer) {
+        int mode = prefetch_mode(manager.get());
+        int late = mode < 0 ? -1 : late_for(handler, mode, layer);
+        if (late < 0) return -1;
+        if (late) {
+          Ref r(PyObject_CallMethodObjArgs(handler, s_prefetch_layer_below, group, nullptr));
+          if (!r) return -1;
+        }
+      }
+    }
+  }
+  long groups_done = attr_long(handler, s_groups_done);
+  Py_ssize_t n = PyObject_Length(groups.get());  // only finish replaces handler.groups
+  if (n < 0 || (groups_done == -1 && PyErr_Occurred())) return -1;
+  if (groups_done == n) {
+    Ref r(PyObject_CallMethodObjArgs(handler, s_finish, nullptr));
+    if (!r) return -1;
+  }
+  return 1;
+}
+
+namespace {
+
 // commit_backward(handler, group): handler.on_group_commit_backward; False (nothing done) where the Python method
 // must run
 PyObject* module_commit_backward(PyObject*, PyObject* args) {
   HANDLE_TH_ERRORS
   PyObject *handler, *group;
   if (!PyArg_ParseTuple(args, "OO", &handler, &group)) return nullptr;
-  Ref manager(PyObject_GetAttr(handler, s_manager));
-  if (!manager) return nullptr;
-  int fast = commit_fast_path(handler, manager.get());
-  int mode = fast > 0 ? prefetch_mode(manager.get()) : 0;
-  if (fast < 0 || mode < 0) return nullptr;
-  if (fast == 0) Py_RETURN_FALSE;
-  // manager.on_backward, with no chain to close and no other chunk to flush: _forward_ended's layer count
-  Ref layers(PyObject_GetAttr(handler, s_layers));
-  int any = layers ? PyObject_IsTrue(layers.get()) : -1;
-  if (any < 0) return nullptr;
-  if (any) {
-    Ref chunk_layers(PyObject_GetAttr(manager.get(), s_chunk_layers));
-    Ref vp(chunk_layers ? PyObject_GetAttr(handler, s_vp_stage) : nullptr);
-    if (!vp || PyObject_SetItem(chunk_layers.get(), vp.get(), layers.get()) < 0) return nullptr;
-  }
-  Ref entries(PyObject_GetAttr(group, s_entries));
-  Ref runs(entries ? PyTuple_Pack(1, entries.get()) : nullptr);
-  if (!runs || reload_runs(handler, runs.get(), true) < 0 || wait_latest(handler, entries.get()) < 0 ||
-      prefetch(handler, group, mode) < 0)
-    return nullptr;
-  long current = attr_long(handler, s_current_group);
-  if ((current == -1 && PyErr_Occurred()) || set_long(handler, s_current_group, current > 1 ? current - 1 : 0) < 0)
-    return nullptr;
-  Py_RETURN_TRUE;
+  int rc = commit_backward_impl(handler, group);
+  if (rc < 0) return nullptr;
+  return PyBool_FromLong(rc);
   END_HANDLE_TH_ERRORS
 }
 
@@ -276,51 +336,9 @@ PyObject* module_group_done(PyObject*, PyObject* args) {
   HANDLE_TH_ERRORS
   PyObject *handler, *group;
   if (!PyArg_ParseTuple(args, "OO", &handler, &group)) return nullptr;
-  int done = attr_true(group, s_done);
-  if (done < 0) return nullptr;
-  if (done) Py_RETURN_TRUE;
-  Ref manager(PyObject_GetAttr(handler, s_manager));
-  Ref chain(manager ? PyObject_GetAttr(manager.get(), s_chain) : nullptr);
-  if (!chain) return nullptr;
-  if (chain.get() != Py_None) Py_RETURN_FALSE;  // the method lets go of a broken chain's group
-  if (PyObject_SetAttr(group, s_done, Py_True) < 0) return nullptr;
-  Ref seq(attr_items(group, s_entries));
-  if (!seq) return nullptr;
-  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq.get()); ++i) {
-    PyObject* e = PySequence_Fast_GET_ITEM(seq.get(), i);
-    long users = attr_long(e, s_users);
-    if ((users == -1 && PyErr_Occurred()) || set_long(e, s_users, users - 1) < 0) return nullptr;
-    if (users - 1 == 0 && PyObject_SetAttr(e, s_device_storage, Py_None) < 0) return nullptr;
-  }
-  long index = attr_long(group, s_index);
-  Ref groups(index == -1 && PyErr_Occurred() ? nullptr : PyObject_GetAttr(handler, s_groups));
-  if (!groups) return nullptr;
-  if (index >= 0) {  // one of handler.groups (a group that saved nothing was never committed there)
-    if (add_to_attr(handler, s_groups_done, 1) < 0) return nullptr;
-    if (index > 0) {
-      Ref prev(PySequence_GetItem(groups.get(), index - 1));
-      long prev_layer = prev ? attr_long(prev.get(), s_layer) : -1;
-      long layer = prev ? attr_long(group, s_layer) : -1;
-      if (PyErr_Occurred()) return nullptr;
-      if (prev_layer < layer) {
-        int mode = prefetch_mode(manager.get());
-        int late = mode < 0 ? -1 : late_for(handler, mode, layer);
-        if (late < 0) return nullptr;
-        if (late) {
-          Ref r(PyObject_CallMethodObjArgs(handler, s_prefetch_layer_below, group, nullptr));
-          if (!r) return nullptr;
-        }
-      }
-    }
-  }
-  long groups_done = attr_long(handler, s_groups_done);
-  Py_ssize_t n = PyObject_Length(groups.get());  // only finish replaces handler.groups
-  if (n < 0 || (groups_done == -1 && PyErr_Occurred())) return nullptr;
-  if (groups_done == n) {
-    Ref r(PyObject_CallMethodObjArgs(handler, s_finish, nullptr));
-    if (!r) return nullptr;
-  }
-  Py_RETURN_TRUE;
+  int rc = group_done_impl(handler, group);
+  if (rc < 0) return nullptr;
+  return PyBool_FromLong(rc);
   END_HANDLE_TH_ERRORS
 }
 

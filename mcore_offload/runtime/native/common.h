@@ -134,8 +134,27 @@ int reload_runs(PyObject* handler, PyObject* runs, bool on_demand);
 // backward.cpp: commit_backward, group_done and finish_release (a group's backward); its names interned (false: error)
 extern PyMethodDef backward_methods[];
 bool backward_names_ready();
+// backward.cpp: the common case of handler.on_group_commit_backward and on_group_backward_done (1 done, 0 the Python
+// method must run, -1 error set), for the module functions and the node hooks of points_block.cpp
+int commit_backward_impl(PyObject* handler, PyObject* group);
+int group_done_impl(PyObject* handler, PyObject* group);
 // node_hooks.cpp: add_prehook (the group start and commit hooks on existing autograd nodes)
 extern PyMethodDef node_hook_methods[];
+// node_hooks.cpp: a group's start hook (handler.on_group_backward_done) or commit hook (on_group_commit_backward) on
+// the node that made ``tensor``, in C++ throughout (false: the tensor has no such node)
+enum GroupHookKind { kGroupStart, kGroupCommit };
+bool add_group_hook(const at::Tensor& tensor, GroupHookKind kind, PyObject* handler, PyObject* group);
+// points_block.cpp: interned names the node hooks share
+extern PyObject* s_summary;
+extern PyObject* s_on_group_backward_done;
+extern PyObject* s_on_group_commit_backward;
+// points_block.cpp: Block, offload_block and commit_point (the offload points' forward glue); the types readied and
+// added to the module (false: error set)
+extern PyMethodDef point_methods[];
+bool point_types_ready(PyObject* module);
+// hooks.cpp: the hook types, for points_block.cpp to make them without a Python call
+extern PyTypeObject PackerType;
+extern PyTypeObject UnpackerType;
 
 // burst_clock.cpp: host time per phase of the copy bursts (bursts.cpp), for benchmarks/runtime_breakdown.py; off
 // unless burst_timing(True) turned it on. ("query": release's completion queries, also counted in "release")

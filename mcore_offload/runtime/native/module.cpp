@@ -1,7 +1,8 @@
 // The native runtime's module: its init, the objects every translation unit shares (the interned attribute names,
 // the exact types the pack hook tests for) and small helpers (PointTotals among them). The types and functions are in
 // hooks.cpp, copy_path.cpp, held_checks.cpp, copy_calls.cpp, bursts.cpp (with pool_calls.cpp and burst_clock.cpp),
-// entry.cpp, reload.cpp and backward.cpp. See __init__.py for why and how this is built.
+// entry.cpp, reload.cpp, backward.cpp, node_hooks.cpp and points_block.cpp. See __init__.py for why and how this is
+// built.
 
 #include "common.h"
 
@@ -232,7 +233,7 @@ PyMODINIT_FUNC MCO_CONCAT(PyInit_, TORCH_EXTENSION_NAME)(void) {
       PyModule_AddFunctions(m, copy_call_methods) < 0 || PyModule_AddFunctions(m, reload_methods) < 0 ||
       PyModule_AddFunctions(m, burst_methods) < 0 || PyModule_AddFunctions(m, burst_clock_methods) < 0 ||
       PyModule_AddFunctions(m, node_hook_methods) < 0 || PyModule_AddFunctions(m, backward_methods) < 0 ||
-      !entry_types_ready(m)) {
+      PyModule_AddFunctions(m, point_methods) < 0 || !point_types_ready(m) || !entry_types_ready(m)) {
     Py_DECREF(m);
     return nullptr;
   }

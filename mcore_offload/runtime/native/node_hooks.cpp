@@ -48,6 +48,63 @@ struct CallBeforeNode : torch::autograd::FunctionPreHook {
   PyObject* fn_;
 };
 
+// A group's start or commit hook whole in C++ (points_block.cpp registers it): points.StartHook / CommitHook without
+// their Python frames and the handler method's in front of backward.cpp's common case, which the hook calls directly;
+// where that answers "the method must run", the handler's Python method runs, as the Python hooks do.
+struct GroupHook : torch::autograd::FunctionPreHook {
+  GroupHook(GroupHookKind kind, PyObject* handler, PyObject* group) : kind_(kind), handler_(handler), group_(group) {
+    Py_INCREF(handler_);
+    Py_INCREF(group_);
+  }
+
+  ~GroupHook() override {
+    if (Py_IsInitialized()) {  // see CallBeforeNode
+      PyGILState_STATE state = PyGILState_Ensure();
+      Py_DECREF(handler_);
+      Py_DECREF(group_);
+      PyGILState_Release(state);
+    }
+  }
+
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    PyGILState_STATE state = PyGILState_Ensure();
+    int64_t t0 = now_ns();
+    int rc = run();
+    if (rc == 0) {  // the Python method decides (it asks backward.cpp again, and takes the uncommon case itself)
+      PyObject* out = PyObject_CallMethodObjArgs(
+          handler_, kind_ == kGroupStart ? s_on_group_backward_done : s_on_group_commit_backward, group_, nullptr);
+      rc = out == nullptr ? -1 : 1;
+      Py_XDECREF(out);
+    }
+    if (rc > 0) {
+      Ref summary(PyObject_GetAttr(handler_, s_summary));
+      rc = summary && add_runtime(summary.get(), now_ns() - t0) == 0 ? 1 : -1;
+    }
+    if (rc < 0) {
+      python_error err;
+      err.persist();
+      PyGILState_Release(state);
+      throw err;
+    }
+    PyGILState_Release(state);
+    return grads;
+  }
+
+  // 1 done, 0 the handler's method must run, -1 error set
+  int run() {
+    if (kind_ == kGroupStart) return group_done_impl(handler_, group_);
+    // on_group_commit_backward: nothing once the handler has finished (an aborted step's leftovers)
+    Ref finished(PyObject_GetAttr(handler_, s_finished));
+    int done = finished ? PyObject_IsTrue(finished.get()) : -1;
+    if (done != 0) return done < 0 ? -1 : 1;
+    return commit_backward_impl(handler_, group_);
+  }
+
+  GroupHookKind kind_;
+  PyObject* handler_;
+  PyObject* group_;
+};
+
 // add_prehook(tensor, fn): before the backward of the node that made ``tensor``, call ``fn(None)``. False where the
 // tensor has no such node (a leaf, or no grad): the caller then uses an identity node of its own.
 PyObject* module_add_prehook(PyObject*, PyObject* args) {
@@ -69,6 +126,13 @@ PyObject* module_add_prehook(PyObject*, PyObject* args) {
 }
 
 }  // namespace
+
+bool add_group_hook(const at::Tensor& tensor, GroupHookKind kind, PyObject* handler, PyObject* group) {
+  const auto& node = tensor.grad_fn();
+  if (!node) return false;
+  node->add_pre_hook(std::make_unique<GroupHook>(kind, handler, group));
+  return true;
+}
 
 PyMethodDef node_hook_methods[] = {
     {"add_prehook", module_add_prehook, METH_VARARGS,
