@@ -247,6 +247,24 @@ def test_cpu_grouped_layer_measures_an_offloading_step(tmp_path):
     assert json.loads(out.read_text())["paused"] is True and "(paused)" in proc.stderr
 
 
+def test_cpu_points_glue_times_both_glues_in_one_process(tmp_path):
+    """cpu_points_glue.py: runs of the C++ and the Python glue alternate; both figures and their paired difference."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import cpu_transport_glue
+
+    from mcore_offload.runtime import native
+
+    if cpu_transport_glue.compiler() is None or native.toolchain_missing():
+        pytest.skip("no C compiler for the stub CUDA runtime, or the C++ runtime cannot be built here")
+    out = tmp_path / "glue.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_points_glue.py"), "--reps", "3",
+                           "--json-out", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert set(result["glue"]) == {"C++", "Python"} and result["reps"] == 3
+    assert all(r["fastest_us"] > 0 for r in result["glue"].values()) and "Python less C++" in proc.stdout
+
+
 def test_cpu_grouped_layer_with_the_stub_cuda_transport_runs_the_raw_transport(tmp_path):
     """--stub-cuda: the raw (GPU) transport over the stub CUDA runtime does the offloading step's copies."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
