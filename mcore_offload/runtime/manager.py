@@ -262,7 +262,8 @@ class OffloadManager:
         """The handler an offload point should use now, or None when the point is off.
 
         ``points.offload`` and ``points.commit`` answer the common case (the forward chunk's own config, no auto)
-        inline, without this call: a change here changes them too (tests/test_chain.py compares the two ways)."""
+        inline, without this call, and so does ``runtime/native/points_block.cpp`` (``point_on``): a change here changes
+        them too (tests/test_chain.py and tests/test_native_points.py compare the ways)."""
         handler = self.forward_handler
         if handler is None:
             return None

@@ -18,6 +18,10 @@ about 30 µs of host time inside a launch-bound step, and its backward dispatch 
   (TransformerLayer.forward) and ``step_boundary`` (the three pipeline schedules) drive the manager.
 
 Every function is a cheap no-op unless offloading is enabled for that point and this is a training forward.
+
+With the C++ runtime loaded, ``offload`` and ``commit`` hand the common case (the forward chunk's own config, no
+``auto``, a plain tensor) to ``runtime/native/points_block.cpp``, which does what ``_OffloadBlock`` and ``_commit`` do
+here and calls back into this module for the rest; ``MCORE_OFFLOAD_NATIVE_POINTS=0`` keeps this module's glue.
 """
 
 from __future__ import annotations
