@@ -217,3 +217,55 @@ def test_the_runtime_switch_turns_the_cpp_glue_on_and_off(monkeypatch):
     assert switch.held == [{"native_points": "off"}, {"native_points": "on"}]
     with pytest.raises(ValueError, match="native_points must be one of on, off"):
         runtime_switch.parse_settings(["native_points=1"])
+
+
+@pytest.mark.parametrize("native_points", [True, False])
+def test_a_failure_inside_the_glue_leaves_no_state_either_way(monkeypatch, native_points):
+    """A Python call the glue makes fails (here the group's opening, in the second layer): the error reaches the
+    caller unchanged, the hooks pushed so far are popped, and the step boundary leaves nothing behind."""
+    monkeypatch.setenv("MCORE_OFFLOAD_NATIVE_POINTS", "1" if native_points else "0")
+    reset()
+    model = Toy(cfg(*ATTN))
+    opened = []
+    open_group = ChunkOffloadHandler.open_group
+
+    def failing(self, name):
+        opened.append(name)
+        if len(opened) == 2:
+            raise RuntimeError("injected in open_group")
+        return open_group(self, name)
+
+    monkeypatch.setattr(ChunkOffloadHandler, "open_group", failing)
+    with pytest.raises(RuntimeError, match="injected in open_group"):
+        train_step(model, [torch.randn(8, 16)])
+    manager = get_manager()
+    assert not manager.handlers and not manager.open_groups and manager.chain is None
+    assert get_summary().host_resident_bytes == 0
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is not None:  # no saved-tensor hooks left pushed
+        assert top(False) is None
+
+
+@pytest.mark.parametrize("native_points", [True, False])
+def test_a_failure_inside_a_blocks_body_pops_its_hooks_either_way(monkeypatch, native_points):
+    monkeypatch.setenv("MCORE_OFFLOAD_NATIVE_POINTS", "1" if native_points else "0")
+    reset()
+    model = Toy(cfg(*ATTN))
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    inside = []
+
+    def layer(x, qkv, proj):
+        points.layer_boundary(model.config)
+        with points.offload("qkv_linear", model.config, x) as h:
+            inside.append(top(False) if top is not None else "pushed")
+            qkv(torch.tanh(h))
+            raise RuntimeError("injected in a block's body")
+
+    model.layer = layer
+    with pytest.raises(RuntimeError, match="injected in a block's body"):
+        train_step(model, [torch.randn(8, 16)])
+    assert inside and inside[0] is not None
+    if top is not None:
+        assert top(False) is None
+    manager = get_manager()
+    assert not manager.handlers and not manager.open_groups and get_summary().host_resident_bytes == 0
