@@ -165,7 +165,9 @@ class RuntimeBreakdown:
                     "us_per_call": round(self.ns[label] / max(self.calls[label], 1) / 1e3, 2)}
             for label, _ in self.ns.most_common()
         }
-        out = {"steps": steps, "wrapper_us": round(self.wrapper_us(), 3), "functions": rows}
+        out = {"steps": steps, "wrapper_us": round(self.wrapper_us(), 3), "functions": rows,
+               # which points' glue ran (install() asks for the Python one unless the environment said otherwise)
+               "native_points": os.environ.get("MCORE_OFFLOAD_NATIVE_POINTS", "1") != "0"}
         if self.native_bursts is not None:  # per burst and per copy, in µs (each phase once per burst)
             out["native_bursts"] = {
                 direction: {"bursts_per_step": round(t["bursts"] / steps, 1),
