@@ -64,12 +64,6 @@ long attr_long(PyObject* obj, PyObject* name) {
   return v ? PyLong_AsLong(v.get()) : -1;
 }
 
-// 1 / 0: getattr(obj, name) is true / false; -1: error
-int attr_true(PyObject* obj, PyObject* name) {
-  Ref v(PyObject_GetAttr(obj, name));
-  return v ? PyObject_IsTrue(v.get()) : -1;
-}
-
 int set_long(PyObject* obj, PyObject* name, long value) {
   Ref v(PyLong_FromLong(value));
   return v ? PyObject_SetAttr(obj, name, v.get()) : -1;

@@ -89,6 +89,8 @@ int add_to_attr(PyObject* obj, PyObject* name, int64_t delta);
 int add_runtime(PyObject* summary, int64_t ns);
 // getattr(obj, name, None) without raising (a new reference, or nullptr with an error set)
 PyObject* lookup_attr(PyObject* obj, PyObject* name);
+// 1 / 0: getattr(obj, name) is true / false; -1: error set
+int attr_true(PyObject* obj, PyObject* name);
 
 // What the pack hook returns for an eligible tensor (saved.SavedRef's fields, read and written by the handler)
 struct SavedRef {

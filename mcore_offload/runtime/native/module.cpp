@@ -58,6 +58,11 @@ int add_to_attr(PyObject* obj, PyObject* name, int64_t delta) {
 
 int add_runtime(PyObject* summary, int64_t ns) { return add_to_attr(summary, s_runtime_ns, ns); }
 
+int attr_true(PyObject* obj, PyObject* name) {
+  Ref v(PyObject_GetAttr(obj, name));
+  return v ? PyObject_IsTrue(v.get()) : -1;
+}
+
 PyObject* lookup_attr(PyObject* obj, PyObject* name) {
   PyObject* out = nullptr;
 #if PY_VERSION_HEX >= 0x030D0000

@@ -94,8 +94,7 @@ struct GroupHook : torch::autograd::FunctionPreHook {
   int run() {
     if (kind_ == kGroupStart) return group_done_impl(handler_, group_);
     // on_group_commit_backward: nothing once the handler has finished (an aborted step's leftovers)
-    Ref finished(PyObject_GetAttr(handler_, s_finished));
-    int done = finished ? PyObject_IsTrue(finished.get()) : -1;
+    int done = attr_true(handler_, s_finished);
     if (done != 0) return done < 0 ? -1 : 1;
     return commit_backward_impl(handler_, group_);
   }

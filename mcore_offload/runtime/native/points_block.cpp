@@ -120,12 +120,6 @@ int point_on(PyObject* handler, PyObject* name) {
   return back < 0 ? -1 : !back;
 }
 
-// getattr(obj, name) is true (1) / false (0); -1 error
-int attr_truth(PyObject* obj, PyObject* name) {
-  Ref v(PyObject_GetAttr(obj, name));
-  return v ? PyObject_IsTrue(v.get()) : -1;
-}
-
 // manager.summary.runtime_ns += ns (-1: error)
 int add_manager_runtime(PyObject* manager, int64_t ns) {
   Ref summary(PyObject_GetAttr(manager, s_summary));
@@ -216,7 +210,7 @@ PyObject* block_enter(PyObject* obj, PyObject*) {
     self->group = PyObject_CallMethodObjArgs(self->handler, s_open_group, self->name, nullptr);
     if (self->group == nullptr) return nullptr;
     if (THPVariable_Unpack(tensor.get()).requires_grad()) {
-      int node_hooks = attr_truth(self->manager, s_node_hooks);
+      int node_hooks = attr_true(self->manager, s_node_hooks);
       if (node_hooks < 0) return nullptr;
       if (!node_hooks ||
           !add_group_hook(THPVariable_Unpack(tensor.get()), kGroupStart, self->handler, self->group)) {
@@ -335,7 +329,7 @@ PyObject* commit_group(PyObject* manager, PyObject* handler, PyObject* group, Py
   }
   Ref out;  // the first item's replacement, where an identity node of ours made one
   if (THPVariable_Check(first) && THPVariable_Unpack(first).requires_grad()) {
-    int node_hooks = attr_truth(manager, s_node_hooks);
+    int node_hooks = attr_true(manager, s_node_hooks);
     if (node_hooks < 0) return nullptr;
     const at::Tensor& t = THPVariable_Unpack(first);
     if (node_hooks && t.grad_fn()) {
@@ -406,7 +400,7 @@ PyObject* module_commit_point(PyObject*, PyObject* const* args, Py_ssize_t nargs
   if (follower == nullptr && PyErr_Occurred()) return nullptr;
   PyObject* result = nullptr;
   if (follower != nullptr) {
-    int chaining = attr_truth(manager, s_chaining);
+    int chaining = attr_true(manager, s_chaining);
     int next_on = 0;
     if (chaining > 0) {
       Ref enabled(PyObject_GetAttr(handler, s_enabled_points));
