@@ -125,6 +125,9 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     a("--cprofile-steps", type=int, nargs=2, default=None, metavar=("FIRST", "LAST"),
       help="cProfile these steps (inclusive) with autograd on the main thread, so that backward's Python "
            "(hooks, TE's backward functions) is profiled too; writes cprofile_rank*.txt to --profile-dir")
+    a("--sample-stacks", type=float, default=None, metavar="HZ",
+      help="sample the main thread's Python stack HZ times a CPU second in each step from --warmup-steps on, "
+           "offloaded and plain steps apart (benchmarks/stack_sampler.py); JSON 'stack_samples'")
     a("--profile-dir", default="profile", help="where traces and their summaries go")
     a("--json-out", default=None, help="write every rank's results here (rank 0)")
     a("--label", default="", help="free text stored in the JSON")

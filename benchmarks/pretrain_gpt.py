@@ -315,6 +315,12 @@ def main(argv=None) -> int:
 
         breakdown = RuntimeBreakdown()
         breakdown.install()
+    sampler = None
+    if args.sample_stacks:
+        from stack_sampler import StackSampler
+
+        sampler = StackSampler(args.sample_stacks, args.warmup_steps)
+        sampler.install()
     for step in range(args.train_iters):
         if args.cprofile_steps and step == args.cprofile_steps[0]:
             cprof = start_cprofile()
@@ -358,6 +364,8 @@ def main(argv=None) -> int:
             switch.start_step(on_steps[-1])
         gc_clock.start_step()
         host_clock.start_step()
+        if sampler is not None:
+            sampler.start_step(on_steps[-1])
         t0 = time.perf_counter()
         if syncs is not None:
             syncs.start_step()
@@ -374,6 +382,8 @@ def main(argv=None) -> int:
         # the host's share: a step whose host issues its work well before the GPU ends is not launch-bound
         issue_ms.append((time.perf_counter() - t0) * 1e3)
         host_clock.issued()
+        if sampler is not None:
+            sampler.end_step()
         if cuda:
             torch.cuda.synchronize()
         step_ms.append((time.perf_counter() - t0) * 1e3)
@@ -441,6 +451,9 @@ def main(argv=None) -> int:
         "gc_ms_median": statistics.median(gc_clock.per_step[args.warmup_steps:] or gc_clock.per_step),
         "host_clock": host_clock.as_dict(),
     }
+    if sampler is not None:
+        sampler.uninstall()
+        row["stack_samples"] = sampler.as_dict()
     if args.offload_first_steps is not None:  # the plain steps from two after the stop, and any before the start
         row["offload_stop"] = offload_stop_summary(step_ms, args.warmup_steps, args.offload_from_step,
                                                    args.offload_first_steps, args.at_offload_stop)
