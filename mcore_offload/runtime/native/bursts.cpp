@@ -41,8 +41,8 @@ void* as_handle(unsigned long long v) { return reinterpret_cast<void*>(static_ca
 
 // transport.rt.call_addresses: (cudaMemcpyAsync, cudaEventRecord, cudaStreamWaitEvent, cudaEventQuery) (false: error)
 bool calls_of(PyObject* transport, Calls& out) {
-  PyObject* rt = PyObject_GetAttrString(transport, "rt");
-  PyObject* t = rt ? PyObject_GetAttrString(rt, "call_addresses") : nullptr;
+  PyObject* rt = get_attr(transport, MCO_NAME("rt"));
+  PyObject* t = rt ? get_attr(rt, MCO_NAME("call_addresses")) : nullptr;
   Py_XDECREF(rt);
   if (t == nullptr) return false;
   unsigned long long a[4];
@@ -59,9 +59,9 @@ bool calls_of(PyObject* transport, Calls& out) {
   return true;
 }
 
-// An integer attribute (a handle or a counter) into ``out`` (false: error set)
-bool int_attr(PyObject* obj, const char* name, unsigned long long& out) {
-  PyObject* v = PyObject_GetAttrString(obj, name);
+// An integer attribute (a handle or a counter; ``name`` interned: MCO_NAME) into ``out`` (false: error set)
+bool int_attr(PyObject* obj, PyObject* name, unsigned long long& out) {
+  PyObject* v = get_attr(obj, name);
   if (v == nullptr) return false;
   out = PyLong_AsUnsignedLongLong(v);
   Py_DECREF(v);
@@ -69,8 +69,8 @@ bool int_attr(PyObject* obj, const char* name, unsigned long long& out) {
 }
 
 // obj.<a>.<b> as an integer (the fence events' handles)
-bool nested_int_attr(PyObject* obj, const char* a, const char* b, unsigned long long& out) {
-  PyObject* inner = PyObject_GetAttrString(obj, a);
+bool nested_int_attr(PyObject* obj, PyObject* a, PyObject* b, unsigned long long& out) {
+  PyObject* inner = get_attr(obj, a);
   if (inner == nullptr) return false;
   bool ok = int_attr(inner, b, out);
   Py_DECREF(inner);
@@ -79,7 +79,7 @@ bool nested_int_attr(PyObject* obj, const char* a, const char* b, unsigned long 
 
 // transport._compute_handle(): the current (compute) stream's raw handle
 bool compute_handle(PyObject* transport, unsigned long long& out) {
-  PyObject* v = PyObject_CallMethod(transport, "_compute_handle", nullptr);
+  PyObject* v = call_method(transport, MCO_NAME("_compute_handle"));
   if (v == nullptr) return false;
   out = PyLong_AsUnsignedLongLong(v);
   Py_DECREF(v);
@@ -99,7 +99,7 @@ void fail(PyObject* transport, const char* what, int err) {
 // CudaTransport.release_copied without ``final``: the held D2H bursts seen complete, oldest first, are dropped (their
 // device blocks go back to the allocator) and their done events marked seen. 0, or -1 with an error set
 int release_done(PyObject* transport, const Calls& calls, BurstDirection d) {
-  PyObject* held = PyObject_GetAttrString(transport, "_held");
+  PyObject* held = get_attr(transport, MCO_NAME("_held"));
   if (held == nullptr) return -1;
   int rc = 0;
   while (true) {
@@ -112,7 +112,7 @@ int release_done(PyObject* transport, const Calls& calls, BurstDirection d) {
     PyObject* event = first && PyTuple_Check(first) && PyTuple_GET_SIZE(first) == 2 ? PyTuple_GET_ITEM(first, 0)
                                                                                    : nullptr;
     unsigned long long handle = 0;
-    if (event == nullptr || !int_attr(event, "handle", handle)) {
+    if (event == nullptr || !int_attr(event, MCO_NAME("handle"), handle)) {
       if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "transport._held must hold (event, tensors) pairs");
       Py_XDECREF(first);
       rc = -1;
@@ -131,10 +131,10 @@ int release_done(PyObject* transport, const Calls& calls, BurstDirection d) {
       rc = -1;
       break;
     }
-    PyObject* popped = PyObject_CallMethod(held, "popleft", nullptr);
+    PyObject* popped = call_method(held, MCO_NAME("popleft"));
     Py_XDECREF(popped);  // with ``first``'s reference gone below, the tensors it held go
     // reloads of these blocks need not wait on it (RawCudaTransport.to_device)
-    rc = popped == nullptr || PyObject_SetAttrString(event, "seen_done", Py_True) < 0 ? -1 : 0;
+    rc = popped == nullptr || set_attr(event, MCO_NAME("seen_done"), Py_True) < 0 ? -1 : 0;
     Py_DECREF(first);
     if (rc < 0) break;
   }
@@ -144,7 +144,7 @@ int release_done(PyObject* transport, const Calls& calls, BurstDirection d) {
 
 // telemetry.mark(stream) where the step is timed, else None (a new reference; nullptr: error)
 PyObject* mark(PyObject* telemetry, unsigned long long stream) {
-  PyObject* timing = PyObject_GetAttrString(telemetry, "timing");
+  PyObject* timing = get_attr(telemetry, MCO_NAME("timing"));
   int on = timing ? PyObject_IsTrue(timing) : -1;
   Py_XDECREF(timing);
   if (on < 0) return nullptr;
@@ -152,21 +152,27 @@ PyObject* mark(PyObject* telemetry, unsigned long long stream) {
     Py_INCREF(Py_None);
     return Py_None;
   }
-  return PyObject_CallMethod(telemetry, "mark", "K", stream);
+  PyObject* handle = PyLong_FromUnsignedLongLong(stream);
+  PyObject* out = handle ? call_method(telemetry, MCO_NAME("mark"), {handle}) : nullptr;
+  Py_XDECREF(handle);
+  return out;
 }
 
-// telemetry.span(kind, start, end, nbytes, keep_end=True) (-1: error)
-int span(PyObject* telemetry, const char* kind, PyObject* start, PyObject* end, long long nbytes) {
-  PyObject* r = PyObject_CallMethod(telemetry, "span", "sOOLO", kind, start, end, nbytes, Py_True);
+// telemetry.span(kind, start, end, nbytes, keep_end=True) (``kind`` interned: MCO_NAME; -1: error)
+int span(PyObject* telemetry, PyObject* kind, PyObject* start, PyObject* end, long long nbytes) {
+  PyObject* n = PyLong_FromLongLong(nbytes);
+  PyObject* r = n && kind ? call_method(telemetry, MCO_NAME("span"), {kind, start, end, n, Py_True}) : nullptr;
+  Py_XDECREF(n);
+  if (r == nullptr && !PyErr_Occurred()) PyErr_NoMemory();
   Py_XDECREF(r);
   return r == nullptr ? -1 : 0;
 }
 
 // A new done event from transport._done_event(), recorded on ``stream`` (nullptr: error)
 PyObject* done_event(PyObject* transport, const Calls& calls, unsigned long long stream) {
-  PyObject* done = PyObject_CallMethod(transport, "_done_event", nullptr);
+  PyObject* done = call_method(transport, MCO_NAME("_done_event"));
   unsigned long long handle = 0;
-  if (done == nullptr || !int_attr(done, "handle", handle)) {
+  if (done == nullptr || !int_attr(done, MCO_NAME("handle"), handle)) {
     Py_XDECREF(done);
     return nullptr;
   }
@@ -202,7 +208,7 @@ bool begin_burst(PyObject* transport, Calls& calls, BurstLap& lap, BurstDirectio
 // ``stream`` waits for ``event`` unless an earlier call of the burst failed (``err``: its code); false: error set
 bool wait_for(const Calls& calls, unsigned long long stream, PyObject* event, int& err) {
   unsigned long long handle = 0;
-  if (!int_attr(event, "handle", handle)) return false;
+  if (!int_attr(event, MCO_NAME("handle"), handle)) return false;
   if (err == 0) err = calls.wait(as_handle(stream), as_handle(handle), 0);
   return true;
 }
@@ -217,7 +223,7 @@ PyObject* waits_done(PyObject* transport, Refs& refs, BurstLap& lap, int err, un
     fail(transport, "cudaEventRecord/cudaStreamWaitEvent", err);
     return nullptr;
   }
-  telemetry = refs.keep(PyObject_GetAttrString(transport, "telemetry"));
+  telemetry = refs.keep(get_attr(transport, MCO_NAME("telemetry")));
   PyObject* start = telemetry ? refs.keep(mark(telemetry, stream)) : nullptr;
   lap.to(kMark);
   return start;
@@ -239,7 +245,8 @@ PyObject* module_to_host_burst(PyObject*, PyObject* args) {
   if (!begin_burst(transport, calls, lap, kToHost)) return nullptr;
   Refs refs;
   unsigned long long d2h, fence, compute;
-  if (!int_attr(transport, "_d2h_handle", d2h) || !nested_int_attr(transport, "_d2h_fence", "handle", fence) ||
+  if (!int_attr(transport, MCO_NAME("_d2h_handle"), d2h) ||
+      !nested_int_attr(transport, MCO_NAME("_d2h_fence"), MCO_NAME("handle"), fence) ||
       !compute_handle(transport, compute))
     return nullptr;
   // The saved tensors were produced on the compute stream: copy only after it reached this point.
@@ -260,8 +267,8 @@ PyObject* module_to_host_burst(PyObject*, PyObject* args) {
     nbytes += static_cast<long long>(sizes[i]);
   }
   lap.to(kFence);
-  PyObject* pool = refs.keep(PyObject_GetAttrString(transport, "pool"));
-  PyObject* acquire = pool ? refs.keep(PyObject_GetAttrString(pool, "acquire_base")) : nullptr;
+  PyObject* pool = refs.keep(get_attr(transport, MCO_NAME("pool")));
+  PyObject* acquire = pool ? refs.keep(get_attr(pool, MCO_NAME("acquire_base"))) : nullptr;
   PyObject* bufs = acquire ? refs.keep(PyList_New(n)) : nullptr;
   if (bufs == nullptr) return nullptr;
   std::vector<PyObject*> reuse_events(n, nullptr);  // borrowed from the pool's answers, kept in ``answers``
@@ -290,7 +297,7 @@ PyObject* module_to_host_burst(PyObject*, PyObject* args) {
   // waited for that reload burst or a later one (the fence above, recorded after that wait, orders this burst).
   long long ordered = 0;
   {
-    PyObject* waited_seq = refs.keep(PyObject_GetAttrString(transport, "_waited_seq"));
+    PyObject* waited_seq = refs.keep(get_attr(transport, MCO_NAME("_waited_seq")));
     PyObject* key = waited_seq ? PyLong_FromUnsignedLongLong(compute) : nullptr;
     PyObject* got = key ? PyDict_GetItemWithError(waited_seq, key) : nullptr;  // borrowed
     Py_XDECREF(key);
@@ -304,7 +311,7 @@ PyObject* module_to_host_burst(PyObject*, PyObject* args) {
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* event = reuse_events[i];
     if (event == Py_None || event == waited) continue;
-    PyObject* seq = PyObject_GetAttrString(event, "reload_seq");
+    PyObject* seq = PyObject_GetAttr(event, s_reload_seq);
     if (seq == nullptr) return nullptr;
     long long s = seq == Py_None ? -1 : PyLong_AsLongLong(seq);
     Py_DECREF(seq);
@@ -330,12 +337,12 @@ PyObject* module_to_host_burst(PyObject*, PyObject* args) {
   if (done == nullptr) return nullptr;
   lap.to(kDone);
   // The caching allocator must not hand these blocks out before the copy has read them (release_copied).
-  PyObject* held = refs.keep(PyObject_GetAttrString(transport, "_held"));
+  PyObject* held = refs.keep(get_attr(transport, MCO_NAME("_held")));
   PyObject* pair = held ? refs.keep(PyTuple_Pack(2, done, keep_alive)) : nullptr;
-  PyObject* r = pair ? PyObject_CallMethod(held, "append", "(O)", pair) : nullptr;
+  PyObject* r = pair ? call_method(held, MCO_NAME("append"), {pair}) : nullptr;
   if (r == nullptr) return nullptr;
   Py_DECREF(r);
-  if (span(telemetry, "d2h", start, done, nbytes) < 0) return nullptr;
+  if (span(telemetry, MCO_NAME("d2h"), start, done, nbytes) < 0) return nullptr;
   lap.to(kBook);
   return PyTuple_Pack(2, bufs, done);
   END_HANDLE_TH_ERRORS
@@ -382,9 +389,10 @@ PyObject* module_to_device_burst(PyObject*, PyObject* args) {
   if (!begin_burst(transport, calls, lap, kToDevice)) return nullptr;
   Refs refs;
   unsigned long long h2d, fence, compute;
-  if (!int_attr(transport, "_h2d_handle", h2d) || !nested_int_attr(transport, "_h2d_fence", "handle", fence))
+  if (!int_attr(transport, MCO_NAME("_h2d_handle"), h2d) ||
+      !nested_int_attr(transport, MCO_NAME("_h2d_fence"), MCO_NAME("handle"), fence))
     return nullptr;
-  PyObject* index_obj = refs.keep(PyObject_GetAttrString(transport, "device_index"));
+  PyObject* index_obj = refs.keep(get_attr(transport, MCO_NAME("device_index")));
   if (index_obj == nullptr) return nullptr;
   long device_index = PyLong_AsLong(index_obj);
   if (device_index == -1 && PyErr_Occurred()) return nullptr;
@@ -426,7 +434,7 @@ PyObject* module_to_device_burst(PyObject*, PyObject* args) {
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* event = PyList_GET_ITEM(after, i);
     if (event == Py_None || event == waited) continue;
-    PyObject* seen = PyObject_GetAttrString(event, "seen_done");
+    PyObject* seen = get_attr(event, MCO_NAME("seen_done"));
     int is_seen = seen ? PyObject_IsTrue(seen) : -1;
     Py_XDECREF(seen);
     if (is_seen < 0) return nullptr;
@@ -439,7 +447,7 @@ PyObject* module_to_device_burst(PyObject*, PyObject* args) {
   PyObject* start = waits_done(transport, refs, lap, err, h2d, telemetry);
   if (start == nullptr) return nullptr;
   unsigned long long reload_seq = 0;
-  if (!int_attr(transport, "reload_seq", reload_seq)) return nullptr;
+  if (!int_attr(transport, s_reload_seq, reload_seq)) return nullptr;
   PyObject* events = refs.keep(PyList_New(0));
   if (events == nullptr) return nullptr;
   Py_ssize_t first = 0;
@@ -456,7 +464,7 @@ PyObject* module_to_device_burst(PyObject*, PyObject* args) {
     if (done == nullptr) return nullptr;
     // The number the handler gives this part right after (Transport.wait_reload), for to_host's reuse check
     PyObject* seq = PyLong_FromUnsignedLongLong(reload_seq + 1 + p);
-    int rc = seq ? PyObject_SetAttrString(done, "reload_seq", seq) : -1;
+    int rc = seq ? PyObject_SetAttr(done, s_reload_seq, seq) : -1;
     Py_XDECREF(seq);
     if (rc == 0) rc = PyList_Append(events, done);
     Py_DECREF(done);
@@ -466,7 +474,8 @@ PyObject* module_to_device_burst(PyObject*, PyObject* args) {
   }
   burst_copies(kToDevice, n);
   PyObject* last = PyList_GET_ITEM(events, PyList_GET_SIZE(events) - 1);
-  if (PyObject_SetAttrString(transport, "_last_h2d_done", last) < 0 || span(telemetry, "h2d", start, last, nbytes) < 0)
+  if (set_attr(transport, MCO_NAME("_last_h2d_done"), last) < 0 ||
+      span(telemetry, MCO_NAME("h2d"), start, last, nbytes) < 0)
     return nullptr;
   lap.to(kBook);
   return PyTuple_Pack(2, out, events);

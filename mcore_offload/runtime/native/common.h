@@ -17,6 +17,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <chrono>
+#include <initializer_list>
 #include <vector>
 
 namespace mco {
@@ -63,6 +64,26 @@ struct NameSlot {
   const char* text;
 };
 bool intern_names(const NameSlot* names, size_t count);
+
+// The interned Python string of a string literal, made once per use site (a function-local static: C++ makes its
+// first initialisation thread-safe, and every caller holds the GIL). Why: PyObject_GetAttrString and
+// PyObject_CallMethod build a new string (and an argument tuple) at each call, about 70-80 ns more than a lookup by
+// an interned name on the development machine; the copy bursts and the release callback make a few dozen such calls
+// a layer. nullptr only where interning failed (no memory): the helpers below then fail with an error set.
+#define MCO_NAME(literal)                                                      \
+  ([]() -> PyObject* {                                                         \
+    static PyObject* const interned_name = PyUnicode_InternFromString("" literal); \
+    return interned_name;                                                      \
+  }())
+
+// dict[key] += delta, from 0 where the key is missing (-1: error)
+int add_to_item(PyObject* dict, PyObject* key, long long delta);
+
+// getattr(obj, name), setattr(obj, name, value) and obj.name(*args) by an interned name (MCO_NAME); nullptr / -1 with
+// an error set on failure, as the C-API calls they stand for
+PyObject* get_attr(PyObject* obj, PyObject* name);
+int set_attr(PyObject* obj, PyObject* name, PyObject* value);
+PyObject* call_method(PyObject* obj, PyObject* name, std::initializer_list<PyObject*> args = {});
 
 // An owned Python reference, let go at the end of its scope (backward.cpp, pool_calls.cpp)
 class Ref {
@@ -115,7 +136,7 @@ class PointTotals {
   PointTotals& operator=(const PointTotals&) = delete;
   ~PointTotals();
   void add(PyObject* point, long long n);  // keeps a reference to ``point``
-  int report(PyObject* summary, const char* counter) const;  // -1: error set
+  int report(PyObject* summary, PyObject* counter) const;  // ``counter`` interned (MCO_NAME); -1: error set
   long long total() const;
 
  private:

@@ -35,7 +35,7 @@ PyObject* storages_of(PyObject* groups) {
   }
   bool ok = true;
   for (Py_ssize_t g = 0; ok && g < PySequence_Fast_GET_SIZE(seq); ++g) {
-    PyObject* refs = PyObject_GetAttrString(PySequence_Fast_GET_ITEM(seq, g), "refs");
+    PyObject* refs = get_attr(PySequence_Fast_GET_ITEM(seq, g), MCO_NAME("refs"));
     PyObject* rseq = refs ? PySequence_Fast(refs, "group.refs must be a list") : nullptr;
     Py_XDECREF(refs);
     if (rseq == nullptr) {
@@ -127,7 +127,7 @@ int attach_one(PyObject* entry, PyObject* ref) {
     Py_INCREF(dtype);
     rc = set_attr_steal(ref, "dtype", dtype) < 0 || set_attr_steal(ref, "offset", offset) < 0 ||
                  set_attr_steal(ref, "size", size) < 0 || set_attr_steal(ref, "stride", stride) < 0 ||
-                 PyObject_SetAttrString(ref, "entry", entry) < 0 || PyObject_SetAttrString(ref, "tensor", Py_None) < 0
+                 set_attr(ref, MCO_NAME("entry"), entry) < 0 || set_attr(ref, MCO_NAME("tensor"), Py_None) < 0
              ? -1
              : 0;
   }
@@ -149,13 +149,13 @@ int attach_all(PyObject* entry, PyObject* refs) {
     if (group != nullptr) {
       Py_INCREF(group);
     } else {
-      group = PyObject_GetAttrString(ref, "group");
+      group = get_attr(ref, MCO_NAME("group"));
       if (group == nullptr) {
         ok = false;
         break;
       }
     }
-    PyObject* entries = PyObject_GetAttrString(group, "entries");
+    PyObject* entries = get_attr(group, MCO_NAME("entries"));
     int has = entries ? PySequence_Contains(entries, entry) : -1;
     if (has == 0) {
       ok = PyList_Append(entries, entry) == 0 && add_to_attr(entry, s_users, 1) == 0;
@@ -191,7 +191,9 @@ struct ToCopy {
 
 // summary.host_resident(total) once for a burst: the same resident peak as one call per entry (every delta is positive)
 int count_resident(PyObject* summary, long long total) {
-  PyObject* r = PyObject_CallMethod(summary, "host_resident", "L", total);
+  PyObject* n = PyLong_FromLongLong(total);
+  PyObject* r = n ? call_method(summary, MCO_NAME("host_resident"), {n}) : nullptr;
+  Py_XDECREF(n);
   Py_XDECREF(r);
   return r == nullptr ? -1 : 0;
 }
@@ -225,9 +227,9 @@ int make_entries(PyObject* handler, PyObject* live, const std::vector<ToCopy>& t
     Py_DECREF(point);
     if (rc < 0) return -1;
   }
-  PyObject* summary = PyObject_GetAttrString(handler, "summary");
+  PyObject* summary = get_attr(handler, MCO_NAME("summary"));
   if (summary == nullptr) return -1;
-  int rc = offloaded.report(summary, "offloaded") < 0 || count_resident(summary, offloaded.total()) < 0 ? -1 : 0;
+  int rc = offloaded.report(summary, MCO_NAME("offloaded")) < 0 || count_resident(summary, offloaded.total()) < 0 ? -1 : 0;
   Py_DECREF(summary);
   return rc;
 }
@@ -245,8 +247,8 @@ PyObject* module_copy_out(PyObject*, PyObject* args) {
   }
   PyObject* by_storage = storages_of(groups);
   if (by_storage == nullptr) return nullptr;
-  PyObject* live = PyObject_GetAttrString(handler, "live");
-  PyObject* manager = live ? PyObject_GetAttrString(handler, "manager") : nullptr;
+  PyObject* live = get_attr(handler, MCO_NAME("live"));
+  PyObject* manager = live ? get_attr(handler, MCO_NAME("manager")) : nullptr;
   PyObject* storages = PyList_New(0);
   PyObject* keep = PyList_New(0);
   PyObject* routed = PyList_New(0);
@@ -300,7 +302,7 @@ PyObject* module_copy_out(PyObject*, PyObject* args) {
       break;
     }
     PyObject* first = PyList_GET_ITEM(refs, 0);
-    PyObject* point = PyObject_GetAttrString(first, "point");
+    PyObject* point = get_attr(first, MCO_NAME("point"));
     if (point == nullptr) {
       ok = false;
       break;
@@ -323,8 +325,8 @@ PyObject* module_copy_out(PyObject*, PyObject* args) {
     if (ok) todo.push_back({ptr, st, refs});
   }
   if (ok && !todo.empty()) {
-    PyObject* transport = PyObject_GetAttrString(handler, "transport");
-    PyObject* result = transport ? PyObject_CallMethod(transport, "to_host", "OOO", storages, keep, routed) : nullptr;
+    PyObject* transport = get_attr(handler, MCO_NAME("transport"));
+    PyObject* result = transport ? call_method(transport, MCO_NAME("to_host"), {storages, keep, routed}) : nullptr;
     Py_XDECREF(transport);
     Py_CLEAR(keep);  // the transport holds what it must until the copy has read it
     PyObject *hosts = nullptr, *event = nullptr;

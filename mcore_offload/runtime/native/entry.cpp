@@ -132,27 +132,15 @@ void released_dealloc(Released* self) {
   Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
 }
 
-// dict[key] += delta, from 0 where the key is missing (-1: error)
-int add_to_item(PyObject* dict, PyObject* key, long long delta) {
-  PyObject* cur = PyDict_GetItemWithError(dict, key);  // borrowed
-  if (cur == nullptr && PyErr_Occurred()) return -1;
-  long long base = cur == nullptr ? 0 : PyLong_AsLongLong(cur);
-  if (base == -1 && PyErr_Occurred()) return -1;
-  PyObject* sum = PyLong_FromLongLong(base + delta);
-  int rc = sum ? PyDict_SetItem(dict, key, sum) : -1;
-  Py_XDECREF(sum);
-  return rc;
-}
-
 // manager.on_released(entry, during_forward) where the summary traces no peak (its _peak_reader and off_by_key are
 // None): summary.add(point, released_in_forward / released_late, nbytes), and for an entry whose only copy is now
 // on the host, entry.off_device = True and summary.off_device_bytes += nbytes; what the Python method does there,
 // without its three Python frames per storage. 1: done, 0: the summary traces (the caller calls the method), -1: error
 int count_released(PyObject* manager, PyObject* entry, bool during_forward) {
-  PyObject* summary = PyObject_GetAttrString(manager, "summary");
+  PyObject* summary = get_attr(manager, MCO_NAME("summary"));
   if (summary == nullptr) return -1;
-  PyObject* reader = PyObject_GetAttrString(summary, "_peak_reader");
-  PyObject* by_key = reader ? PyObject_GetAttrString(summary, "off_by_key") : nullptr;
+  PyObject* reader = get_attr(summary, MCO_NAME("_peak_reader"));
+  PyObject* by_key = reader ? get_attr(summary, MCO_NAME("off_by_key")) : nullptr;
   bool tracing = reader == nullptr || by_key == nullptr || reader != Py_None || by_key != Py_None;
   Py_XDECREF(reader);
   Py_XDECREF(by_key);
@@ -160,7 +148,7 @@ int count_released(PyObject* manager, PyObject* entry, bool during_forward) {
     Py_DECREF(summary);
     return PyErr_Occurred() ? -1 : 0;
   }
-  PyObject* current = PyObject_GetAttrString(summary, "_current");  // a defaultdict: point -> counters
+  PyObject* current = get_attr(summary, MCO_NAME("_current"));  // a defaultdict: point -> counters
   PyObject* point = current ? PyObject_GetAttr(entry, s_point) : nullptr;
   PyObject* counters = point ? PyObject_GetItem(current, point) : nullptr;
   PyObject* nbytes_obj = counters ? PyObject_GetAttr(entry, s_nbytes) : nullptr;
@@ -193,18 +181,18 @@ int count_released(PyObject* manager, PyObject* entry, bool during_forward) {
 PyObject* released_vectorcall(PyObject* obj, PyObject* const*, size_t, PyObject*) {
   HANDLE_TH_ERRORS
   Released* self = reinterpret_cast<Released*>(obj);
-  PyObject* live = PyObject_GetAttrString(self->handler, "live");
+  PyObject* live = get_attr(self->handler, MCO_NAME("live"));
   if (live == nullptr) return nullptr;
   PyObject* cur = PyDict_Check(live) ? PyDict_GetItemWithError(live, self->ptr) : nullptr;  // borrowed
   int rc = PyErr_Occurred() ? -1 : 0;
   if (rc == 0 && cur == self->entry) rc = PyDict_DelItem(live, self->ptr);
   Py_DECREF(live);
   if (rc < 0) return nullptr;
-  PyObject* started = PyObject_GetAttrString(self->handler, "backward_started");
+  PyObject* started = get_attr(self->handler, MCO_NAME("backward_started"));
   int backward = started ? PyObject_IsTrue(started) : -1;
   Py_XDECREF(started);
   if (backward < 0) return nullptr;
-  PyObject* manager = PyObject_GetAttrString(self->handler, "manager");
+  PyObject* manager = get_attr(self->handler, MCO_NAME("manager"));
   if (manager == nullptr) return nullptr;
   int counted = count_released(manager, self->entry, !backward);
   PyObject* out = nullptr;
@@ -212,7 +200,7 @@ PyObject* released_vectorcall(PyObject* obj, PyObject* const*, size_t, PyObject*
     Py_INCREF(Py_None);
     out = Py_None;
   } else if (counted == 0) {
-    out = PyObject_CallMethod(manager, "on_released", "OO", self->entry, backward ? Py_False : Py_True);
+    out = call_method(manager, MCO_NAME("on_released"), {self->entry, backward ? Py_False : Py_True});
   }
   Py_DECREF(manager);
   return out;

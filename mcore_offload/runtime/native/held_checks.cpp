@@ -21,7 +21,7 @@ PyObject* ref_tensor(PyObject* ref) {
     t = reinterpret_cast<SavedRef*>(ref)->tensor;
     Py_XINCREF(t);
   } else {
-    t = PyObject_GetAttrString(ref, "tensor");
+    t = get_attr(ref, MCO_NAME("tensor"));
     if (t == nullptr) return nullptr;
   }
   if (t == Py_None) Py_CLEAR(t);

@@ -249,12 +249,12 @@ PyObject* packer_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
                                         "mcore_offload.runtime.native.load_native()");
     return nullptr;
   }
-  PyObject* refs = PyObject_GetAttrString(group, "refs");
-  PyObject* rejected = refs ? PyObject_GetAttrString(group, "rejected") : nullptr;
-  PyObject* summary = rejected ? PyObject_GetAttrString(handler, "summary") : nullptr;
-  PyObject* not_offloadable = summary ? PyObject_GetAttrString(handler, "not_offloadable") : nullptr;
-  PyObject* device_index = not_offloadable ? PyObject_GetAttrString(handler, "device_index") : nullptr;
-  PyObject* min_numel = device_index ? PyObject_GetAttrString(handler, "min_numel") : nullptr;
+  PyObject* refs = get_attr(group, MCO_NAME("refs"));
+  PyObject* rejected = refs ? get_attr(group, MCO_NAME("rejected")) : nullptr;
+  PyObject* summary = rejected ? get_attr(handler, MCO_NAME("summary")) : nullptr;
+  PyObject* not_offloadable = summary ? get_attr(handler, MCO_NAME("not_offloadable")) : nullptr;
+  PyObject* device_index = not_offloadable ? get_attr(handler, MCO_NAME("device_index")) : nullptr;
+  PyObject* min_numel = device_index ? get_attr(handler, MCO_NAME("min_numel")) : nullptr;
   Packer* self = nullptr;
   if (min_numel != nullptr) {
     if (!PyList_Check(refs) || !PyDict_Check(rejected) || !PyAnySet_Check(not_offloadable)) {
@@ -407,7 +407,7 @@ PyObject* unpacker_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   static const char* names[] = {"handler", nullptr};
   PyObject* handler;
   if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O", const_cast<char**>(names), &handler)) return nullptr;
-  PyObject* summary = PyObject_GetAttrString(handler, "summary");
+  PyObject* summary = get_attr(handler, MCO_NAME("summary"));
   if (summary == nullptr) return nullptr;
   Unpacker* self = reinterpret_cast<Unpacker*>(type->tp_alloc(type, 0));
   if (self == nullptr) {

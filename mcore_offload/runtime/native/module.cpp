@@ -58,6 +58,48 @@ int add_to_attr(PyObject* obj, PyObject* name, int64_t delta) {
 
 int add_runtime(PyObject* summary, int64_t ns) { return add_to_attr(summary, s_runtime_ns, ns); }
 
+namespace {
+bool name_ok(PyObject* name) {
+  if (name != nullptr) return true;
+  if (!PyErr_Occurred()) PyErr_NoMemory();
+  return false;
+}
+}  // namespace
+
+// dict[key] += delta, from 0 where the key is missing (-1: error)
+int add_to_item(PyObject* dict, PyObject* key, long long delta) {
+  PyObject* cur = PyDict_GetItemWithError(dict, key);  // borrowed
+  if (cur == nullptr && PyErr_Occurred()) return -1;
+  long long base = cur == nullptr ? 0 : PyLong_AsLongLong(cur);
+  if (base == -1 && PyErr_Occurred()) return -1;
+  PyObject* sum = PyLong_FromLongLong(base + delta);
+  int rc = sum ? PyDict_SetItem(dict, key, sum) : -1;
+  Py_XDECREF(sum);
+  return rc;
+}
+
+PyObject* get_attr(PyObject* obj, PyObject* name) { return name_ok(name) ? PyObject_GetAttr(obj, name) : nullptr; }
+
+int set_attr(PyObject* obj, PyObject* name, PyObject* value) {
+  return name_ok(name) ? PyObject_SetAttr(obj, name, value) : -1;
+}
+
+PyObject* call_method(PyObject* obj, PyObject* name, std::initializer_list<PyObject*> args) {
+  if (!name_ok(name)) return nullptr;
+  // a free slot, obj, then the arguments (ours pass at most five): the free slot in front is what
+  // PY_VECTORCALL_ARGUMENTS_OFFSET promises, so that a bound callee need not copy the arguments
+  PyObject* stack[8];
+  if (args.size() + 2 > sizeof(stack) / sizeof(stack[0])) {
+    PyErr_SetString(PyExc_SystemError, "call_method: too many arguments");
+    return nullptr;
+  }
+  stack[0] = nullptr;
+  stack[1] = obj;
+  size_t n = 1;
+  for (PyObject* a : args) stack[1 + n++] = a;
+  return PyObject_VectorcallMethod(name, stack + 1, n | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
+}
+
 int attr_true(PyObject* obj, PyObject* name) {
   Ref v(PyObject_GetAttr(obj, name));
   return v ? PyObject_IsTrue(v.get()) : -1;
@@ -211,11 +253,22 @@ void PointTotals::add(PyObject* point, long long n) {
   totals_.emplace_back(point, n);
 }
 
-int PointTotals::report(PyObject* summary, const char* counter) const {
+int PointTotals::report(PyObject* summary, PyObject* counter) const {
+  if (totals_.empty()) return 0;
+  // summary.add's work without its Python frame: summary._current[point][counter] += total (a defaultdict of dicts)
+  Ref current(get_attr(summary, MCO_NAME("_current")));
+  if (!current || counter == nullptr) {
+    if (!PyErr_Occurred()) PyErr_NoMemory();
+    return -1;
+  }
   for (const auto& pn : totals_) {
-    PyObject* r = PyObject_CallMethod(summary, "add", "OsL", pn.first, counter, pn.second);
-    if (r == nullptr) return -1;
-    Py_DECREF(r);
+    Ref counters(PyObject_GetItem(current.get(), pn.first));
+    if (!counters) return -1;
+    if (!PyDict_Check(counters.get())) {
+      PyErr_SetString(PyExc_TypeError, "summary._current must map points to dicts of counters");
+      return -1;
+    }
+    if (add_to_item(counters.get(), counter, pn.second) < 0) return -1;
   }
   return 0;
 }

@@ -40,7 +40,7 @@ PyObject* pop_last(PyObject* free) {
 // classes, an allocation, a routed buffer that does not fit); nullptr with an error set: an error
 PyObject* acquire_fast(PyObject* pool, long long nbytes, PyObject* routed) {
   if (routed == Py_None) {
-    PyObject* free_by_class = PyObject_GetAttrString(pool, "_free");
+    PyObject* free_by_class = get_attr(pool, MCO_NAME("_free"));
     PyObject* key = free_by_class ? PyLong_FromLongLong(size_class(nbytes)) : nullptr;
     PyObject* free = key && PyDict_Check(free_by_class) ? PyDict_GetItemWithError(free_by_class, key) : nullptr;
     PyObject* out = free && PyList_Check(free) && PyList_GET_SIZE(free) > 0 ? pop_last(free) : nullptr;
@@ -48,8 +48,8 @@ PyObject* acquire_fast(PyObject* pool, long long nbytes, PyObject* routed) {
     Py_XDECREF(free_by_class);
     return out;
   }
-  PyObject* largest = PyObject_GetAttrString(pool, "_routed_largest");
-  PyObject* free_by_key = largest ? PyObject_GetAttrString(pool, "_routed_free") : nullptr;
+  PyObject* largest = get_attr(pool, MCO_NAME("_routed_largest"));
+  PyObject* free_by_key = largest ? get_attr(pool, MCO_NAME("_routed_free")) : nullptr;
   PyObject* out = nullptr;
   if (free_by_key != nullptr && PyDict_Check(largest) && PyDict_Check(free_by_key)) {
     PyObject* seen = PyDict_GetItemWithError(largest, routed);  // borrowed
@@ -78,7 +78,7 @@ int release_fast(PyObject* pool, PyObject* free_by_class, PyObject* routed_owner
   bool fast = THPVariable_Check(buf) && PyDict_Check(free_by_class) && PyDict_Check(routed_owner);
   Ref base;
   if (fast) {
-    base.reset(PyObject_GetAttrString(buf, "_base"));
+    base.reset(get_attr(buf, MCO_NAME("_base")));
     if (!base) return -1;
     if (base.get() == Py_None) {
       Py_INCREF(buf);

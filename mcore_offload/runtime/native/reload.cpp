@@ -62,14 +62,14 @@ PyObject* gather(const std::vector<PyObject*>& todo, PyObject* name) {
 // allocator at each change), else one summary.add per point and counter and one summary.off_device for the entries
 // that were off the device
 int count_reloaded(PyObject* handler, const std::vector<PyObject*>& todo, bool on_demand) {
-  PyObject* summary = PyObject_GetAttrString(handler, "summary");
+  PyObject* summary = get_attr(handler, MCO_NAME("summary"));
   if (summary == nullptr) return -1;
-  PyObject* flag = PyObject_GetAttrString(summary, "tracing");
+  PyObject* flag = get_attr(summary, MCO_NAME("tracing"));
   int tracing = flag ? PyObject_IsTrue(flag) : -1;
   Py_XDECREF(flag);
   bool ok = tracing >= 0;
   if (ok && tracing) {
-    PyObject* manager = PyObject_GetAttrString(handler, "manager");
+    PyObject* manager = get_attr(handler, MCO_NAME("manager"));
     ok = manager != nullptr;
     for (size_t i = 0; ok && i < todo.size(); ++i) {
       PyObject* r = PyObject_CallMethod(manager, "on_reloaded", "OO", todo[i], on_demand ? Py_True : Py_False);
@@ -95,10 +95,12 @@ int count_reloaded(PyObject* handler, const std::vector<PyObject*>& todo, bool o
       Py_XDECREF(off);
       Py_XDECREF(point);
     }
-    ok = ok && reloaded.report(summary, "reloaded") == 0 &&
-         (!on_demand || reloaded.report(summary, "reloaded_on_demand") == 0);
+    ok = ok && reloaded.report(summary, MCO_NAME("reloaded")) == 0 &&
+         (!on_demand || reloaded.report(summary, MCO_NAME("reloaded_on_demand")) == 0);
     if (ok && back != 0) {
-      PyObject* r = PyObject_CallMethod(summary, "off_device", "L", -back);
+      PyObject* n = PyLong_FromLongLong(-back);
+      PyObject* r = n ? call_method(summary, MCO_NAME("off_device"), {n}) : nullptr;
+      Py_XDECREF(n);
       ok = r != nullptr;
       Py_XDECREF(r);
     }
@@ -137,11 +139,10 @@ int reload_runs(PyObject* handler, PyObject* runs, bool on_demand) {
       parts.assign(1, static_cast<Py_ssize_t>(todo.size()));
     }
   }
-  PyObject* transport = parts_arg ? PyObject_GetAttrString(handler, "transport") : nullptr;
-  PyObject* device = transport ? PyObject_GetAttrString(handler, "device") : nullptr;
-  PyObject* result = device ? PyObject_CallMethod(transport, "to_device", "OOOOO", hosts, sizes, after, device,
-                                                  parts_arg)
-                            : nullptr;
+  PyObject* transport = parts_arg ? get_attr(handler, MCO_NAME("transport")) : nullptr;
+  PyObject* device = transport ? get_attr(handler, MCO_NAME("device")) : nullptr;
+  PyObject* result =
+      device ? call_method(transport, MCO_NAME("to_device"), {hosts, sizes, after, device, parts_arg}) : nullptr;
   Py_XDECREF(hosts);
   Py_XDECREF(sizes);
   Py_XDECREF(after);
