@@ -76,9 +76,6 @@ bool intern_names(const NameSlot* names, size_t count);
     return interned_name;                                                      \
   }())
 
-// dict[key] += delta, from 0 where the key is missing (-1: error)
-int add_to_item(PyObject* dict, PyObject* key, long long delta);
-
 // getattr(obj, name), setattr(obj, name, value) and obj.name(*args) by an interned name (MCO_NAME); nullptr / -1 with
 // an error set on failure, as the C-API calls they stand for
 PyObject* get_attr(PyObject* obj, PyObject* name);

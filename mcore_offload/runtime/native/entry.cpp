@@ -148,17 +148,15 @@ int count_released(PyObject* manager, PyObject* entry, bool during_forward) {
     Py_DECREF(summary);
     return PyErr_Occurred() ? -1 : 0;
   }
-  PyObject* current = get_attr(summary, MCO_NAME("_current"));  // a defaultdict: point -> counters
-  PyObject* point = current ? PyObject_GetAttr(entry, s_point) : nullptr;
-  PyObject* counters = point ? PyObject_GetItem(current, point) : nullptr;
-  PyObject* nbytes_obj = counters ? PyObject_GetAttr(entry, s_nbytes) : nullptr;
+  PyObject* point = PyObject_GetAttr(entry, s_point);
+  PyObject* nbytes_obj = point ? PyObject_GetAttr(entry, s_nbytes) : nullptr;
   long long nbytes = nbytes_obj ? PyLong_AsLongLong(nbytes_obj) : -1;
   int rc = nbytes == -1 && PyErr_Occurred() ? -1 : 0;
-  if (rc == 0 && !PyDict_Check(counters)) {
-    PyErr_SetString(PyExc_TypeError, "summary._current must map points to dicts of counters");
-    rc = -1;
+  if (rc == 0) {  // summary.add(point, counter, nbytes), as a burst's totals are counted
+    PointTotals released;
+    released.add(point, nbytes);
+    rc = released.report(summary, during_forward ? s_released_in_forward : s_released_late);
   }
-  if (rc == 0) rc = add_to_item(counters, during_forward ? s_released_in_forward : s_released_late, nbytes);
   PyObject* host = rc == 0 ? PyObject_GetAttr(entry, s_host) : nullptr;
   PyObject* device = host ? PyObject_GetAttr(entry, s_device_storage) : nullptr;
   if (device == nullptr) {
@@ -171,9 +169,7 @@ int count_released(PyObject* manager, PyObject* entry, bool during_forward) {
   Py_XDECREF(host);
   Py_XDECREF(device);
   Py_XDECREF(nbytes_obj);
-  Py_XDECREF(counters);
   Py_XDECREF(point);
-  Py_XDECREF(current);
   Py_DECREF(summary);
   return rc < 0 ? -1 : 1;
 }

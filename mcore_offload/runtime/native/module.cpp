@@ -67,7 +67,7 @@ bool name_ok(PyObject* name) {
 }  // namespace
 
 // dict[key] += delta, from 0 where the key is missing (-1: error)
-int add_to_item(PyObject* dict, PyObject* key, long long delta) {
+static int add_to_item(PyObject* dict, PyObject* key, long long delta) {
   PyObject* cur = PyDict_GetItemWithError(dict, key);  // borrowed
   if (cur == nullptr && PyErr_Occurred()) return -1;
   long long base = cur == nullptr ? 0 : PyLong_AsLongLong(cur);
