@@ -5,7 +5,8 @@ actually freed before the chunk's backward began: the bytes that lower the peak)
 ``reloaded``, ``reloaded_on_demand`` (the part of ``reloaded`` no prefetch had started when its group's backward
 came: the compute stream may wait for it), ``kept_on_device`` (last-layer groups whose backward came first, never
 copied) and
-``skipped_aliased`` (storages another live tensor still held at offload time: copying them frees nothing).
+``skipped_aliased`` (storages another live tensor still held at offload time and, where a chunk waited for its
+backward, at the second look after its forward: copying them frees nothing).
 """
 
 from __future__ import annotations
@@ -71,6 +72,10 @@ class OffloadSummary:
 
     def add(self, point: str, counter: str, nbytes: int) -> None:
         self._current[point][counter] += nbytes
+
+    def point_totals(self, counter: str) -> dict[str, int]:
+        """This step's ``counter`` so far, per point."""
+        return {point: counts[counter] for point, counts in self._current.items()}
 
     def host_resident(self, delta: int) -> None:
         self.host_resident_bytes += delta

@@ -218,3 +218,41 @@ def test_pipelined_chunks_that_turn_around_keep_their_last_layer_the_others_flus
     first, last = ranks
     assert first["early"] > 0  # the first stage's forwards are followed by other chunks' work
     assert last["kept_on_device"][0] > 0  # the last stage turns its last chunk around
+
+
+def second_look_job(rank: int, world_size: int, native: str) -> dict[str, Any]:
+    """Worker: PP=2 x VPP=2, 8 microbatches, attn_norm (which saves each layer's input) offloaded or not."""
+    import os
+
+    os.environ["MCORE_OFFLOAD_NATIVE"] = native  # before this process makes its manager
+    from mcore_offload.runtime import native as native_module
+
+    init_parallel(world_size, rank, pp=2, vpp=2)
+    kw = dict(n_steps=2, num_microbatches=8, seq_len=16, micro_batch_size=2, lr=0.1)
+    base = run_steps(build_dense_gpt(num_layers=8), **kw)
+    result = run_steps(build_dense_gpt(num_layers=8, config_overrides=offload("attn_norm")), **kw)
+    counters = ("offloaded", "released_in_forward", "reloaded", "reloaded_on_demand", "skipped_aliased")
+    return {"base": base, "offload": result, "second_look": get_manager().second_look_bytes,
+            "native": native_module.load_native() is not None,
+            **{c: [s.total(c) for s in get_summary().steps[-2:]] for c in counters}}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("native", ["1", "0"], ids=["cpp-copy-out", "python-copy-out"])
+def test_a_chunks_first_input_leaves_the_device_once_its_forward_has_returned(native):
+    """The first layer's input (the embedding output on the first stage) is still held by GPTModel.forward when
+    the layers flush; once that forward returns, a second look copies it out before the chunk's backward. The
+    input the schedule keeps (received from the previous stage) stays where it is."""
+    ranks = run_multiprocess(second_look_job, 2, args=(native,), timeout_s=240)
+    layer_input = 2 * 16 * 32 * 4  # micro batch 2, sequence 16, hidden 32, float32
+    for rank, r in enumerate(ranks):
+        assert r["native"] is (native == "1")
+        assert_bitwise(r["base"], r["offload"])
+        assert r["offloaded"] == r["released_in_forward"] == r["reloaded"], r
+        assert r["reloaded_on_demand"] == [0, 0]
+        # every chunk's first input is held at flush time; the schedule keeps the received ones for good
+        received = 8 * (1 if rank == 0 else 2) * layer_input  # rank 0's chunk 0 input is its embedding output
+        assert r["skipped_aliased"] == [received] * 2, r["skipped_aliased"]
+    first, last = ranks
+    assert first["second_look"] == 2 * 8 * layer_input  # the embedding outputs of 8 microbatches a step
+    assert last["second_look"] == 0

@@ -10,7 +10,9 @@ The runtime (docs/how-it-works.md) as the planner models it:
   anything (``COMMIT_ORDER``, across the layers of the same chunk): one group of prefetch.
 
 Bytes per step: every chunk forward of the step offloads each of its layers' groups, except the last layer
-of a kept forward. A chunk's first layer moves less with ``qkv_linear``: its input is held elsewhere.
+of a kept forward. A chunk's first layer moves less with ``qkv_linear``: its input is held elsewhere. (Not
+modelled yet: the runtime's second look, ``runtime/second_look.py``, moves that input on the first stage's first
+chunk once its forward has returned, where the chunk waits for its backward; the fixtures below predate it.)
 
 A rank's memory peaks at one of two instants around a switch from a chunk forward ``F`` to a chunk backward
 ``B`` in its schedule (every such switch is evaluated):

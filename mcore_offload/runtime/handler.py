@@ -39,6 +39,7 @@ from mcore_offload.runtime.saved import (
     held_elsewhere,
     routed_key,
 )
+from mcore_offload.runtime.second_look import SecondLook
 from mcore_offload.runtime.transport import transport_for
 
 if TYPE_CHECKING:
@@ -49,7 +50,7 @@ logger = logging.getLogger(__name__)
 _Tensor, _strided = torch.Tensor, torch.strided  # module globals: read once per saved tensor
 
 
-class ChunkOffloadHandler(HandlerBase):
+class ChunkOffloadHandler(SecondLook, HandlerBase):
     """Offloads the saved activations of one model chunk (``vp_stage``) for one microbatch."""
 
     def __init__(
@@ -93,6 +94,8 @@ class ChunkOffloadHandler(HandlerBase):
         self.layers = 0  # transformer layers started in this chunk's forward
         self.reload_bursts = 0  # reload bursts _prefetch started in this chunk's backward
         self.marks = None  # auto probe: clock marks of this forward (see runtime/auto.py)
+        self.held_back: list[Group] = []  # see SecondLook
+        self.looking_again = False
         # TE attributes that inherited code may read
         self.current_group, self.tensor_count_current_group = 0, 0
 
@@ -198,6 +201,10 @@ class ChunkOffloadHandler(HandlerBase):
         groups, self.pending = self.pending, []
         if not groups or self.finished:
             return
+        self._copy_out(groups)
+
+    def _copy_out(self, groups: list[Group]) -> None:
+        """Copy every storage the groups' refs still hold that is worth moving and held by nothing else."""
         manager = self.manager
         native = manager.native  # the C++ helpers (runtime/native), or None
         probing = manager.auto is not None and manager.auto.plan is None
@@ -230,7 +237,7 @@ class ChunkOffloadHandler(HandlerBase):
             if held_elsewhere(st, refs):
                 # Another live tensor (a residual, a mask shared by all layers, a tensor saved outside
                 # the group) keeps the storage: copying it would free nothing.
-                self.manager.on_skipped(refs[0].point, st.nbytes())
+                self.on_held(refs[0].point, st.nbytes(), refs)
                 continue
             to_copy.append((ptr, st, refs))
         if not to_copy:

@@ -161,6 +161,7 @@ class OffloadManager:
         self._kept_before: set[tuple[int | None, int]] | None = None
         self._kept_now: set[tuple[int | None, int]] = set()
         self.early_flushes = 0  # chunks whose last layer left at end_chunk (tests)
+        self.second_look_bytes = 0  # bytes copied by ChunkOffloadHandler.second_look (tests)
         # chunk -> (its device, its parameter and main_grad storages, training steps it was walked in)
         self._protected: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._step_serial = 0  # schedule calls ended so far
@@ -193,6 +194,7 @@ class OffloadManager:
             self._forward_ended(self.forward_handler)
         self.forward_handler = None
         self.open_groups.clear()
+        self._look_again(None)
         if not getattr(config, "fine_grained_activation_offloading", False):
             return
         if not model.training or not torch.is_grad_enabled() or _in_backward() or self.pause_depth:
@@ -349,7 +351,17 @@ class OffloadManager:
         if not handler.backward_started:
             # A model that never called end_chunk: its forward's copied blocks go back before its backward.
             handler.transport.release_copied(final=True)
+            self._look_again(handler)
         self._forward_ended(handler)
+
+    def _look_again(self, starting: ChunkOffloadHandler | None) -> None:
+        """Every chunk whose forward has returned and whose backward has not started (``starting``'s is starting)
+        copies what its flushes left because another tensor held it, where nothing does now
+        (ChunkOffloadHandler.second_look). Runs as a forward starts and as a chunk's backward starts: by then
+        no chunk's forward is running."""
+        for handler in self.handlers:
+            if handler.held_back and handler is not starting:
+                handler.second_look()
 
     def _forward_ended(self, handler: ChunkOffloadHandler) -> None:
         """A chunk's forward ended (the first of: next chunk starts, its backward): its layer count for the next

@@ -308,9 +308,10 @@ PyObject* module_copy_out(PyObject*, PyObject* args) {
       break;
     }
     if (held) {
-      // Another live tensor keeps the storage: copying it would free nothing
-      PyObject* r = PyObject_CallMethod(manager, "on_skipped", "OL", point,
-                                        static_cast<long long>(THPStorage_Unpack(st).nbytes()));
+      // Another live tensor keeps the storage: copying it would free nothing (handler.on_held counts it and
+      // keeps its groups for a second look)
+      PyObject* r = PyObject_CallMethod(handler, "on_held", "OLO", point,
+                                        static_cast<long long>(THPStorage_Unpack(st).nbytes()), refs);
       Py_XDECREF(r);
       Py_DECREF(point);
       ok = r != nullptr;
