@@ -53,6 +53,11 @@ TARGETS = [
     ("mcore_offload.runtime.handler", "ChunkOffloadHandler._prefetch"),
     ("mcore_offload.runtime.handler", "ChunkOffloadHandler.on_group_backward_done"),
     ("mcore_offload.runtime.handler", "ChunkOffloadHandler.finish"),
+    # chunk-level steps (sixteen chunk forwards and backwards a step on D's ranks, four on A)
+    ("mcore_offload.runtime.manager", "OffloadManager.end_chunk"),
+    ("mcore_offload.runtime.manager", "OffloadManager.on_backward"),
+    ("mcore_offload.runtime.handler", "ChunkOffloadHandler.on_chunk_backward_start"),
+    ("mcore_offload.runtime.handler", "ChunkOffloadHandler.second_look"),
     ("mcore_offload.runtime.transport", "CudaTransport.to_host"),
     ("mcore_offload.runtime.transport", "CudaTransport.to_device"),
     ("mcore_offload.runtime.transport", "CudaTransport.wait"),
