@@ -359,7 +359,7 @@ class OffloadManager:
         copies what its flushes left because another tensor held it, where nothing does now
         (ChunkOffloadHandler.second_look). Runs as a forward starts and as a chunk's backward starts: by then
         no chunk's forward is running."""
-        for handler in self.handlers:
+        for handler in list(self.handlers):  # a copy: nothing here should finish a handler, but it would not break
             if handler.held_back and handler is not starting:
                 handler.second_look()
 
