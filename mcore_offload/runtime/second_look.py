@@ -4,9 +4,9 @@ A flush copies a storage only if nothing but the saved references holds it: copy
 keeps alive would free nothing. Some of those holders go away before the chunk's backward. The first layer's
 input is held by the model's own forward (``GPTModel.forward``'s ``decoder_input``) while the layers flush, and
 by nothing but the saved reference once that forward has returned. Under pipeline parallelism the chunk then waits
-for its backward while other chunks run: on D-dense's first stage (PP=2 x VPP=2, session 38) three such 16 MiB
-inputs were on the device at the step's peak, the 48 MiB by which ours' Δpeak (1744 MiB) fell short of upstream
-0.16.1's (1792).
+for its backward while other chunks run. On D-dense's first stage (PP=2 x VPP=2, session 38) ours' Δpeak (1744 MiB)
+fell 48 MiB short of upstream 0.16.1's (1792): three such 16 MiB inputs' worth. That they are the gap is the
+reading of the CPU harness's counts, not yet a GPU measurement.
 
 So a handler keeps the groups of every storage its flushes left for that reason, and the manager asks it to look
 again once its forward has returned and before its backward starts (``OffloadManager._look_again``: as the next
