@@ -248,12 +248,11 @@ PyObject* module_copy_out(PyObject*, PyObject* args) {
   PyObject* by_storage = storages_of(groups);
   if (by_storage == nullptr) return nullptr;
   PyObject* live = get_attr(handler, MCO_NAME("live"));
-  PyObject* manager = live ? get_attr(handler, MCO_NAME("manager")) : nullptr;
   PyObject* storages = PyList_New(0);
   PyObject* keep = PyList_New(0);
   PyObject* routed = PyList_New(0);
   std::vector<ToCopy> todo;
-  bool ok = manager != nullptr && storages != nullptr && keep != nullptr && routed != nullptr;
+  bool ok = live != nullptr && storages != nullptr && keep != nullptr && routed != nullptr;
   if (ok && !PyDict_Check(live)) {
     PyErr_SetString(PyExc_TypeError, "copy_out: handler.live must be a dict");
     ok = false;
@@ -341,7 +340,6 @@ PyObject* module_copy_out(PyObject*, PyObject* args) {
   Py_XDECREF(keep);
   Py_XDECREF(storages);
   Py_XDECREF(routed);
-  Py_XDECREF(manager);
   Py_XDECREF(live);
   Py_DECREF(by_storage);
   if (!ok) return nullptr;
