@@ -4,9 +4,9 @@ A flush copies a storage only if nothing but the saved references holds it: copy
 keeps alive would free nothing. Some of those holders go away before the chunk's backward. The first layer's
 input is held by the model's own forward (``GPTModel.forward``'s ``decoder_input``) while the layers flush, and
 by nothing but the saved reference once that forward has returned. Under pipeline parallelism the chunk then waits
-for its backward while other chunks run. On D-dense's first stage (PP=2 x VPP=2, session 38) ours' Δpeak (1744 MiB)
-fell 48 MiB short of upstream 0.16.1's (1792): three such 16 MiB inputs' worth. That they are the gap is the
-reading of the CPU harness's counts, not yet a GPU measurement.
+for its backward while other chunks run. On D-dense's first stage (PP=2 x VPP=2) ours' Δpeak was 1744 MiB against
+upstream 0.16.1's 1792 without the second look (session 38) and is 1808 with it (session 39, 2x H200): the eight
+16 MiB embedding outputs of a step move, four of them off the device at the peak.
 
 So a handler keeps the groups of every storage its flushes left for that reason, and the manager asks it to look
 again once its forward has returned and before its backward starts (``OffloadManager._look_again``: as the next
