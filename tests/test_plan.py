@@ -162,16 +162,57 @@ def test_pipeline_order_and_kept_layers():
 
 def test_peak_instants_pp2_vpp2():
     """benchmarks/results/issue4-h200x2-pp2-vpp2 (D-dense): rank 0 peaks in the first backward, with that
-    chunk's last layer reloaded through core attention and one group prefetched; rank 1 at the loss."""
+    chunk's last layer reloaded through core attention and one group prefetched; rank 1 at the loss. Those runs
+    predate the runtime's second look: their timelines are taken without it."""
     layout = ParallelLayout(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
     dense = plan_for(DENSE, layout, num_microbatches=8)
     assert moved(dense, ("core_attn",)) == [864.0, 528.0]  # 20 - 2 and 12 - 1 layers of 48 MiB
-    assert moved(dense, ("qkv_linear", "core_attn", "attn_proj")) == [1744.0, 1008.0]
-    rank0, rank1 = dense.timelines
+    rank0, rank1 = (t.without_second_look() for t in dense.timelines)
+    attention = ("qkv_linear", "core_attn", "attn_proj")
+    assert [t.delta_peak(attention) / MIB for t in (rank0, rank1)] == [1744.0, 1008.0]
     assert rank0.binding_instant(("core_attn",)).kind == "backward start"
     assert rank1.binding_instant(("core_attn",)).kind == "forward end"
-    per_step = dense.offloaded_per_step(("qkv_linear", "core_attn", "attn_proj"))
+    per_step = [t.offloaded_per_step(attention) for t in (rank0, rank1)]
     assert per_step[0]["qkv_linear"] == 1792 * MIB and per_step[1]["qkv_linear"] == 1536 * MIB
+
+
+def test_second_look_only_on_the_first_stage_first_chunk():
+    """runtime/second_look.py: rank 0's chunk-0 input (the embedding output) leaves once that forward has returned;
+    inputs received from the previous stage stay, and every PP = 1 forward is kept (its own backward comes next),
+    so PP = 1 plans do not change."""
+    from dataclasses import replace
+
+    from mcore_offload.plan.peak import FORWARD_END
+
+    attention = ("qkv_linear", "core_attn", "attn_proj")
+    sets = (attention, ("qkv_linear",), ("core_attn",), ("core_attn", "attn_proj"))
+    for model in (DENSE, MOE):
+        (flat,) = plan_for(model).timelines
+        assert flat.second_look == frozenset() and flat.chunks[0].held(("qkv_linear",)) > 0
+        forced = replace(flat, second_look=frozenset({0}))  # even marked, a kept forward gets no second look
+        for s in sets:
+            assert forced.offloaded_per_step(s) == flat.offloaded_per_step(s)
+            assert forced.delta_peak(s) == flat.delta_peak(s)
+    layout = ParallelLayout(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+    dense = plan_for(DENSE, layout, num_microbatches=8)
+    assert [t.second_look for t in dense.timelines] == [frozenset({0}), frozenset()]
+    rank0, rank1 = dense.timelines
+    held = rank0.chunks[0].held(("qkv_linear",))
+    assert held == 16 * MIB and rank0.chunks[0].held(("core_attn", "attn_proj")) == 0  # the 16 MiB layer input
+    plain = rank0.without_second_look()
+    assert plain.second_look == frozenset() and rank1.without_second_look() == rank1
+    gained = rank0.offloaded_per_step(attention)["qkv_linear"] - plain.offloaded_per_step(attention)["qkv_linear"]
+    assert gained == 8 * held  # every chunk-0 forward on rank 0 (none kept)
+    assert [b / MIB for b in dense.delta_peak(attention)] == [1792.0, 1008.0]  # 1744 + 3 inputs in flight
+    assert moved(dense, ("core_attn",)) == [864.0, 528.0]
+    for inst in rank0.instants:  # a forward end holds its own input still; every other in-flight one is out
+        own = inst.kind == FORWARD_END and inst.chunk == 0
+        extra = rank0.offloaded_at(inst, ("qkv_linear",)) - plain.offloaded_at(inst, ("qkv_linear",))
+        assert extra == (inst.in_flight[0] - own) * held
+    one_f1b = plan_for(DENSE, ParallelLayout(pipeline_model_parallel_size=2), num_microbatches=1).timelines[0]
+    assert one_f1b.second_look == frozenset({0}) and one_f1b.kept == (1,)  # F0 B0: kept, so nothing more moves
+    assert one_f1b.offloaded_per_step(attention) == one_f1b.without_second_look().offloaded_per_step(attention)
+    assert one_f1b.delta_peak(attention) == one_f1b.without_second_look().delta_peak(attention)
 
 
 def test_baseline_peak_against_measurements():

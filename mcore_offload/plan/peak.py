@@ -10,20 +10,29 @@ The runtime (docs/how-it-works.md) as the planner models it:
   anything (``COMMIT_ORDER``, across the layers of the same chunk): one group of prefetch.
 
 Bytes per step: every chunk forward of the step offloads each of its layers' groups, except the last layer
-of a kept forward. A chunk's first layer moves less with ``qkv_linear``: its input is held elsewhere. (Not
-modelled yet: the runtime's second look, ``runtime/second_look.py``, moves that input on the first stage's first
-chunk once its forward has returned, where the chunk waits for its backward; the fixtures below predate it.)
+of a kept forward. A chunk's first layer moves less with ``qkv_linear``: its input is held elsewhere while the
+layers flush (``ChunkLayers.held_bytes``). The runtime's second look (``runtime/second_look.py``, since commit
+0055084) copies that input out once the chunk's forward has returned, before its backward starts, if nothing else
+holds it then. Only the first stage's first chunk qualifies at PP > 1 (its input is the embedding output, held by
+``GPTModel.forward`` during the flush); inputs received from the previous stage stay held by the schedule, and a
+kept forward gets no second look (its own backward comes next; at PP = 1 every forward is kept). So each non-kept
+forward of rank 0's chunk 0 also moves its first layer's held bytes, and they stay off the device until that
+backward reaches the first layer: like the last layer's groups, they are still on the device at the forward end of
+that very forward and at the backward start of a kept forward. :meth:`RankTimeline.without_second_look` gives the
+runtime before it (the issue-4 fixtures of tests/test_plan_validation.py).
 
 A rank's memory peaks at one of two instants around a switch from a chunk forward ``F`` to a chunk backward
 ``B`` in its schedule (every such switch is evaluated):
 
 * forward end: every in-flight chunk forward is resident, and on the loss chunk the logits with the cross
-  entropy's fp32 copy (``T V/t (dtype + 4)``); off the device: all their groups except ``F``'s last layer;
+  entropy's fp32 copy (``T V/t (dtype + 4)``); off the device: all their groups except ``F``'s last layer
+  (and ``F``'s held first-layer input, not looked at yet);
 * backward start, during the core-attention backward of ``B``'s last layer ``l``: the logits are gone and
   the backward's working set is there (gradients and weight-gradient buffers, estimated as
   ``BACKWARD_WORKING_SET`` x the saved bytes of ``l``); off the device: all groups (``F``'s last layer has
-  been flushed unless ``F`` is ``B``'s own forward, which kept it), less ``l``'s groups from ``core_attn`` on
-  in commit order (reloaded by now) and the one group prefetched before them.
+  been flushed unless ``F`` is ``B``'s own forward, which kept it; so has every second look but a kept
+  ``F``'s), less ``l``'s groups from ``core_attn`` on in commit order (reloaded by now) and the one group
+  prefetched before them.
 
 Projected activation peak without offloading: the largest instant. With a set ``S``: the largest instant less
 what ``S`` has off the device at it. Delta peak: the difference (tests/test_plan_validation.py holds the GPU
@@ -33,7 +42,7 @@ measurements it is checked against).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from mcore_offload.config import OFFLOAD_MODULES
 from mcore_offload.plan.activations import LayerActivations
@@ -76,11 +85,23 @@ class ChunkLayers:
 
     point_bytes: tuple[Mapping[str, int], ...]
     saved_bytes: tuple[int, ...]
+    #: Per point, what the first layer would move more if its input were not held elsewhere at the flush: what
+    #: a second look copies out (``point_bytes`` leaves it out).
+    held_bytes: Mapping[str, int] = field(default_factory=dict)
 
     def bytes(self, modules: Iterable[str], layer: int | None = None) -> int:
         """Bytes ``modules`` offloads from one layer (``layer``) or from the whole chunk."""
         layers = self.point_bytes if layer is None else (self.point_bytes[layer],)
         return sum(lb[m] for lb in layers for m in modules)
+
+    def held(self, modules: Iterable[str]) -> int:
+        """Bytes of the first layer's held input that ``modules`` would move."""
+        return sum(self.held_bytes.get(m, 0) for m in modules)
+
+    def looked(self) -> ChunkLayers:
+        """This chunk once a second look has moved its first layer's input (its groups are reloaded with it)."""
+        first = {m: b + self.held_bytes.get(m, 0) for m, b in self.point_bytes[0].items()}
+        return replace(self, point_bytes=(first, *self.point_bytes[1:]), held_bytes={})
 
 
 @dataclass(frozen=True)
@@ -92,6 +113,12 @@ class RankTimeline:
     num_microbatches: int
     kept: tuple[int, ...]  # per chunk: forwards whose last layer is never copied
     instants: tuple[Instant, ...]
+    #: Chunks whose non-kept forwards' held first-layer input a second look copies out (rank 0's chunk 0 at PP > 1).
+    second_look: frozenset[int] = frozenset()
+
+    def without_second_look(self) -> RankTimeline:
+        """This rank under the runtime before commit 0055084 (no second look): what the issue-4 GPU runs measured."""
+        return replace(self, second_look=frozenset())
 
     @property
     def baseline_bytes(self) -> int:
@@ -102,11 +129,14 @@ class RankTimeline:
         """Bytes that set ``modules`` has off the device at ``instant``."""
         mods = _canonical(modules)
         total = sum(n * c.bytes(mods) for n, c in zip(instant.in_flight, self.chunks))
+        total += sum(instant.in_flight[c] * self.chunks[c].held(mods) for c in self.second_look)
         chunk = self.chunks[instant.chunk]
+        looked = instant.chunk in self.second_look
         if instant.kind == FORWARD_END or instant.kept:
-            total -= chunk.bytes(mods, -1)
+            # Not flushed yet: the forward's last layer; not looked at yet (or never, if kept): its held input.
+            total -= chunk.bytes(mods, -1) + (chunk.held(mods) if looked else 0)
         if instant.kind == BACKWARD_START:
-            total -= _reloaded(chunk, mods, instant.kept)
+            total -= _reloaded(chunk.looked() if looked and not instant.kept else chunk, mods, instant.kept)
         return total
 
     def peak_bytes(self, modules: Iterable[str]) -> int:
@@ -129,6 +159,7 @@ class RankTimeline:
         for m in _canonical(modules):
             out[m] = sum(self.num_microbatches * c.bytes((m,)) - k * c.bytes((m,), -1)
                          for c, k in zip(self.chunks, self.kept))
+            out[m] += sum((self.num_microbatches - self.kept[c]) * self.chunks[c].held((m,)) for c in self.second_look)
         return out
 
 
@@ -154,9 +185,11 @@ def _reloaded(chunk: ChunkLayers, modules: tuple[str, ...], kept: bool) -> int:
 
 def chunk_layers(layers: Sequence[LayerActivations]) -> ChunkLayers:
     """A model chunk made of ``layers`` (in order; the first one is the chunk's first layer)."""
+    held = {m: layers[0].point_bytes(m) - layers[0].point_bytes(m, first=True) for m in OFFLOAD_MODULES} \
+        if layers else {}
     return ChunkLayers(
         tuple({m: acts.point_bytes(m, first=i == 0) for m in OFFLOAD_MODULES} for i, acts in enumerate(layers)),
-        tuple(acts.total_bytes for acts in layers))
+        tuple(acts.total_bytes for acts in layers), held)
 
 
 def rank_timeline(rank: int, pp: int, chunks: Sequence[ChunkLayers], num_microbatches: int, logits_bytes: int,
@@ -195,4 +228,7 @@ def rank_timeline(rank: int, pp: int, chunks: Sequence[ChunkLayers], num_microba
                 instants.setdefault(key, inst)
         in_flight[op.chunk] -= 1
     kept_per_chunk = tuple(sum(1 for c, _ in kept if c == chunk) for chunk in range(vpp))
-    return RankTimeline(rank, tuple(chunks), num_microbatches, kept_per_chunk, tuple(instants.values()))
+    # Only the first stage's first chunk has an input (the embedding output) that nothing holds once its forward
+    # has returned; at PP = 1 every forward is kept, so none would be looked at anyway.
+    looks = frozenset({0}) if rank == 0 and pp > 1 else frozenset()
+    return RankTimeline(rank, tuple(chunks), num_microbatches, kept_per_chunk, tuple(instants.values()), looks)
