@@ -30,7 +30,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mcore_offload.runtime import cudart  # noqa: E402
+from mcore_offload.runtime import raw_transport as raw_transport_module  # noqa: E402
 from mcore_offload.runtime import transport as transport_module  # noqa: E402
+from mcore_offload.runtime.coalesce import coalesce_reloads  # noqa: E402
 from mcore_offload.runtime.host_pool import HostBufferPool  # noqa: E402
 from mcore_offload.runtime.native import load_native  # noqa: E402
 from mcore_offload.runtime.telemetry import LinkTelemetry  # noqa: E402
@@ -124,13 +126,13 @@ class _NoStream:
 
 
 def stub_transport(rt: cudart.CudaRuntime, device_index: int = 0, native: bool = False,
-                   timed_from_start: bool = False) -> transport_module.RawCudaTransport:
+                   timed_from_start: bool = False) -> raw_transport_module.RawCudaTransport:
     """A RawCudaTransport over CPU memory on the stub runtime, built without CUDA streams (its constructor needs a
     GPU). ``device_index`` -1: the C++ reload allocations make CPU storages (0 would ask for CUDA ones).
     ``native``: with the C++ copy loop and reload allocations. ``timed_from_start``: the link telemetry times steps
     0-3 and every 4th, as on the GPU (else the first step is untimed, as three in four are). Events get distinct
     handles, recycled when their last reference goes, as on the GPU (a replay of the calls tells them apart)."""
-    t = object.__new__(transport_module.RawCudaTransport)
+    t = object.__new__(raw_transport_module.RawCudaTransport)
     transport_module.Transport.__init__(t)
     t.pool = HostBufferPool(pin=False)
     t.device, t.device_index = torch.device("cpu"), device_index
@@ -144,7 +146,7 @@ def stub_transport(rt: cudart.CudaRuntime, device_index: int = 0, native: bool =
     t._d2h_fence, t._h2d_fence = cudart.RawEvent(rt, 8, []), cudart.RawEvent(rt, 9, [])
     t._d2h_handle, t._h2d_handle = 1, 2
     t._held, t._streams = collections.deque(), {}
-    t.coalesce, t._slices_left, t._last_h2d_done = transport_module.coalesce_reloads(), {}, None
+    t.coalesce, t._slices_left, t._last_h2d_done = coalesce_reloads(), {}, None
     t._compute_handle = lambda: 3
     t.native = load_native() if native else None
     return t

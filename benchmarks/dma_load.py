@@ -23,7 +23,7 @@ import torch
 from host_delay import LayerHooks
 
 from mcore_offload.runtime.cudart import DEVICE_TO_HOST, HOST_ALLOC_WRITE_COMBINED, HOST_TO_DEVICE, load_runtime
-from mcore_offload.runtime.transport import host_memory_kind
+from mcore_offload.runtime.host_pool import host_memory_kind
 
 _current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 

@@ -69,10 +69,10 @@ TARGETS = [
     ("mcore_offload.runtime.transport", "Transport.to_host"),
     ("mcore_offload.runtime.transport", "Transport.to_device"),
     # the raw-copy transport (the GPU default) overrides the methods above
-    ("mcore_offload.runtime.transport", "RawCudaTransport.to_host"),
-    ("mcore_offload.runtime.transport", "RawCudaTransport.to_device"),
-    ("mcore_offload.runtime.transport", "RawCudaTransport._copy_burst"),
-    ("mcore_offload.runtime.transport", "RawCudaTransport.wait"),
+    ("mcore_offload.runtime.raw_transport", "RawCudaTransport.to_host"),
+    ("mcore_offload.runtime.raw_transport", "RawCudaTransport.to_device"),
+    ("mcore_offload.runtime.raw_transport", "RawCudaTransport._copy_burst"),
+    ("mcore_offload.runtime.raw_transport", "RawCudaTransport.wait"),
     ("mcore_offload.runtime.transport", "CudaTransport.release_copied"),
     ("mcore_offload.runtime.transport", "HostBufferPool.acquire_base"),
 ]

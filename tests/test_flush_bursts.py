@@ -173,8 +173,8 @@ def _raw_transport(native_impl: str):
     from types import SimpleNamespace
 
     from mcore_offload.runtime import native
+    from mcore_offload.runtime.raw_transport import RawCudaTransport
     from mcore_offload.runtime.telemetry import LinkTelemetry
-    from mcore_offload.runtime.transport import RawCudaTransport
 
     t = object.__new__(RawCudaTransport)
     t.rt = _FakeRuntime()

@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from mcore_offload.runtime.host_pool import HostBufferPool, size_class
-from mcore_offload.runtime.transport import Transport, host_memory_kind
+from mcore_offload.runtime.host_pool import HostBufferPool, host_memory_kind, size_class
+from mcore_offload.runtime.transport import Transport
 
 
 def test_size_classes_waste_under_an_eighth_and_are_stable():

@@ -13,7 +13,9 @@ import torch
 from test_runtime_unit import Toy, cfg, train_step
 
 from mcore_offload.runtime import manager as manager_module
+from mcore_offload.runtime import raw_transport as raw_transport_module
 from mcore_offload.runtime import transport as transport_module
+from mcore_offload.runtime.coalesce import coalesce_reloads
 from mcore_offload.summary import get_summary
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -65,8 +67,8 @@ def test_the_raw_transport_on_the_stub_runtime_moves_the_same_bytes_with_equal_v
     # the C++ copy loop and reload allocations where the hook_impl fixture builds them; steps 0-3 timed, as on the GPU
     raw = cpu_transport_glue.stub_transport(copying_runtime, device_index=-1, native=True, timed_from_start=True)
     bursts = {"to_host": 0, "to_device": 0, "reloaded_storages": 0}
-    real_to_host = transport_module.RawCudaTransport.to_host
-    real_to_device = transport_module.RawCudaTransport.to_device
+    real_to_host = raw_transport_module.RawCudaTransport.to_host
+    real_to_device = raw_transport_module.RawCudaTransport.to_device
 
     def offloads(self, storages, keep_alive, routed):
         bursts["to_host"] += 1
@@ -77,8 +79,8 @@ def test_the_raw_transport_on_the_stub_runtime_moves_the_same_bytes_with_equal_v
         bursts["reloaded_storages"] += len(hosts)
         return real_to_device(self, hosts, sizes, after, device, parts)
 
-    monkeypatch.setattr(transport_module.RawCudaTransport, "to_host", offloads)
-    monkeypatch.setattr(transport_module.RawCudaTransport, "to_device", reloads)
+    monkeypatch.setattr(raw_transport_module.RawCudaTransport, "to_host", offloads)
+    monkeypatch.setattr(raw_transport_module.RawCudaTransport, "to_device", reloads)
     cpu_transport_glue.stub_calls(copying_runtime)  # clears the stub's call log
     got = _train(names, transport=raw)
     # the copies the stub runtime received (from the C++ bursts or the Python ones), by stream
@@ -115,4 +117,4 @@ def test_a_bad_coalesce_value_is_one_clear_sentence(monkeypatch):
     monkeypatch.setenv("MCORE_OFFLOAD_COALESCE_RELOADS", "yes")
     with pytest.raises(ValueError, match=r"MCORE_OFFLOAD_COALESCE_RELOADS='yes' is not 0 or 1: set it to 1 for one "
                                          r"reload copy per group, or unset it"):
-        transport_module.coalesce_reloads()
+        coalesce_reloads()

@@ -32,10 +32,11 @@ from mcore_offload.config import (
 from mcore_offload.runtime.auto import AUTO, AutoPlanner, clock_mark, elapsed_ms, parse_auto
 from mcore_offload.runtime.auto_choice import Plan
 from mcore_offload.runtime.handler import ChunkOffloadHandler
+from mcore_offload.runtime.host_pool import host_memory_kind
 from mcore_offload.runtime.native import load_native
 from mcore_offload.runtime.saved import Entry, Group
 from mcore_offload.runtime.side_streams import side_stream_kind
-from mcore_offload.runtime.transport import host_memory_kind, reset_transports, settle_pools
+from mcore_offload.runtime.transport import reset_transports, settle_pools
 from mcore_offload.summary import OffloadSummary
 
 logger = logging.getLogger(__name__)
@@ -93,13 +94,13 @@ def flush_layers_from_env() -> int:
                             "N layers' groups at once")
 
 
-#: layers whose groups come back in one reload burst (``MCORE_OFFLOAD_RELOAD_LAYERS``; see handler._prefetch). 1: on
-#: the H100, 2 saved 2.8 ms of host time per step on A's attention set but raised C all-five's peak by 76 MiB
-#: (session 14)
+#: layers whose groups come back in one reload burst (``MCORE_OFFLOAD_RELOAD_LAYERS``; see
+#: prefetch.Prefetch._prefetch). 1: on the H100, 2 saved 2.8 ms of host time per step on A's attention set but
+#: raised C all-five's peak by 76 MiB (session 14)
 DEFAULT_RELOAD_LAYERS = 1
 
 
-#: when backward starts reloading the layer below (``MCORE_OFFLOAD_PREFETCH``; see ChunkOffloadHandler._late)
+#: when backward starts reloading the layer below (``MCORE_OFFLOAD_PREFETCH``; see prefetch.Prefetch._late)
 DEFAULT_PREFETCH = "tail"
 
 

@@ -1,0 +1,112 @@
+"""When backward brings a chunk's groups back from the host: the handler's prefetch (a mixin of
+``ChunkOffloadHandler``).
+
+A group's commit in backward makes its own storages resident and starts the reload of what comes next in backward:
+every earlier group of its layer and the layer below, in one burst (:meth:`Prefetch._prefetch`). One group ahead is
+too little (attn_proj's backward is far shorter than core attention's link time); a layer ahead mirrors forward,
+where a layer's storages stay on the device until the next layer's copy-out has read them. The exception is the
+last layer of a chunk that came back from the host under pipeline parallelism, where the rank's peak is reached:
+there the layer below waits until that layer's backward is done (:meth:`Prefetch._late`, ``MCORE_OFFLOAD_PREFETCH``).
+The C++ commit (``runtime/native/backward.cpp``) calls these methods by name.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mcore_offload.runtime.saved import Entry, Group
+
+
+class Prefetch:
+    """ChunkOffloadHandler's prefetch (see the module docstring). The handler provides ``manager``, ``groups``,
+    ``reload_bursts`` and ``_reload``."""
+
+    manager: Any
+    groups: list[Group]
+    reload_bursts: int
+
+    def _reload(self, *runs: list[Entry], on_demand: bool = False) -> None:  # ChunkOffloadHandler's
+        raise NotImplementedError
+
+    def _prefetch(self, group: Group) -> None:
+        """Start the reload of every earlier group of this layer and of the layer before, in one batch.
+
+        One group ahead is not enough: attn_proj's backward is far shorter than the link time of
+        core_attn's storages. A layer ahead mirrors forward, where a layer's storages stay on the device
+        until the next layer's copy-out has read them.
+
+        With ``MCORE_OFFLOAD_RELOAD_LAYERS=k`` > 1 (default 1), a burst started because that layer is not
+        resident also takes the k - 1 layers below it: every burst costs the same few CUDA calls whatever it
+        carries, and each layer gets its own done event, so a layer still waits for its own copies only. The
+        cost is memory: up to k layers' storages are back ahead of their backward (C all-five's peak rose 76 MiB
+        on the H100 with k = 2). A chunk's first burst always carries one layer: it runs while backward's memory
+        is at its highest.
+        """
+        if group.index <= 0:
+            return
+        late = self._late(group.layer)
+        reach = group.layer if late else group.layer - 1
+        by_group = self._on_host_down_to(group, reach)
+        if not by_group:
+            return
+        # A late reload runs just before its first group's backward: each group gets its own done event, so that
+        # backward waits for its own copies only. Ahead of time, one per layer (one event less to record).
+        runs = by_group if late else [[e for run in by_group for e in run]]
+        k = self.manager.reload_layers
+        if k > 1 and self.reload_bursts and not late:
+            layer = reach
+            for prev in reversed(self.groups[: group.index]):
+                if prev.layer >= reach:
+                    continue
+                if prev.layer <= reach - k:
+                    break
+                if prev.layer != layer:
+                    layer = prev.layer
+                    runs.append([])
+                runs[-1].extend(prev.entries)  # _reload skips what is resident or shared
+        self.reload_bursts += 1
+        self._reload(*runs)
+
+    def _late(self, layer: int) -> bool:
+        """Whether the layer below ``layer`` reloads only once ``layer``'s backward is done (MCORE_OFFLOAD_PREFETCH).
+
+        ``layer``: when ``layer``'s backward starts, so the reload hides behind the whole backward of ``layer``'s
+        attention and of the MLP below. ``late``: always at the end (upstream's moment), behind that MLP backward
+        only: the device never holds two layers' groups at once. ``tail`` (default): late in the last layer of a
+        chunk that came back from the host (it did not turn around), ``layer`` everywhere else. Under pipeline
+        parallelism the step's peak is reached there, in the first attention backward of a chunk that waited while
+        other chunks ran forward (allocator trace, 2x H200, PP=2 x VPP=2, session 15): ``tail`` raised D-dense's
+        Δpeak on rank 0 from 864 to 912 MiB with ``core_attn`` (upstream's 912) and from 1648 to 1744 MiB with the
+        attention set (upstream's 1792), for 0 and about 6 ms more reload stall per step. A chunk that turns around
+        (no pipelining, the last stage) keeps its last layer on the device: nothing changes there.
+        """
+        mode = self.manager.prefetch
+        if mode == "layer":
+            return False
+        if mode == "late":
+            return True
+        last = self.groups[-1]
+        return layer == last.layer and not last.kept_on_device
+
+    def _on_host_down_to(self, group: Group, reach: int) -> list[list[Entry]]:
+        """The entries still only on the host of the groups before ``group``, back to layer ``reach``: one list per
+        group that has any, in backward order."""
+        needed: list[list[Entry]] = []
+        for prev in reversed(self.groups[: group.index]):
+            if prev.layer < reach:
+                break
+            if not prev.done:
+                run = [e for e in prev.entries if e.device_storage is None and e.host is not None]
+                if run:
+                    needed.append(run)
+        return needed
+
+    def _prefetch_layer_below(self, group: Group) -> None:
+        """The layer's first group is done (a late prefetch, see :meth:`_late`): its storages go as the layer
+        below's come back, one done event per group. The layer below's backward starts right away, so its first
+        group (a MoE layer's experts) waits only for its own copies, and the rest arrive behind that backward."""
+        by_group = self._on_host_down_to(group, self.groups[group.index - 1].layer)
+        if by_group:
+            self.reload_bursts += 1
+            self._reload(*by_group)
