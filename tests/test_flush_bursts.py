@@ -400,3 +400,9 @@ def test_a_bad_prefetch_value_is_one_clear_sentence(monkeypatch):
     monkeypatch.setenv("MCORE_OFFLOAD_PREFETCH", "early")
     with pytest.raises(ValueError, match=r"MCORE_OFFLOAD_PREFETCH='early' is not one of layer, tail, late; unset it"):
         manager_module.OffloadManager()
+
+
+def test_a_bad_second_look_value_is_one_clear_sentence(monkeypatch):
+    monkeypatch.setenv("MCORE_OFFLOAD_SECOND_LOOK", "off")
+    with pytest.raises(ValueError, match=r"MCORE_OFFLOAD_SECOND_LOOK='off' is not one of 0, 1; unset it"):
+        manager_module.OffloadManager()

@@ -220,11 +220,12 @@ def test_pipelined_chunks_that_turn_around_keep_their_last_layer_the_others_flus
     assert last["kept_on_device"][0] > 0  # the last stage turns its last chunk around
 
 
-def second_look_job(rank: int, world_size: int, native: str) -> dict[str, Any]:
+def second_look_job(rank: int, world_size: int, native: str, look: str = "1") -> dict[str, Any]:
     """Worker: PP=2 x VPP=2, 8 microbatches, attn_norm (which saves each layer's input) offloaded or not."""
     import os
 
     os.environ["MCORE_OFFLOAD_NATIVE"] = native  # before this process makes its manager
+    os.environ["MCORE_OFFLOAD_SECOND_LOOK"] = look
     from mcore_offload.runtime import native as native_module
 
     init_parallel(world_size, rank, pp=2, vpp=2)
@@ -256,3 +257,16 @@ def test_a_chunks_first_input_leaves_the_device_once_its_forward_has_returned(na
     first, last = ranks
     assert first["second_look"] == 2 * 8 * layer_input  # the embedding outputs of 8 microbatches a step
     assert last["second_look"] == 0
+
+
+@pytest.mark.multiproc
+def test_without_the_second_look_the_held_inputs_stay():
+    """MCORE_OFFLOAD_SECOND_LOOK=0: the first stage's embedding outputs stay on the device until their backward,
+    counted as skipped with the received inputs, and nothing else changes (bitwise)."""
+    ranks = run_multiprocess(second_look_job, 2, args=("1", "0"), timeout_s=240)
+    layer_input = 2 * 16 * 32 * 4
+    for r in ranks:
+        assert_bitwise(r["base"], r["offload"])
+        assert r["second_look"] == 0
+        assert r["skipped_aliased"] == [8 * 2 * layer_input] * 2, r["skipped_aliased"]  # both chunks' inputs
+        assert r["offloaded"] == r["released_in_forward"] == r["reloaded"], r

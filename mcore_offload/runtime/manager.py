@@ -163,6 +163,9 @@ class OffloadManager:
         self._kept_now: set[tuple[int | None, int]] = set()
         self.early_flushes = 0  # chunks whose last layer left at end_chunk (tests)
         self.second_look_bytes = 0  # bytes copied by ChunkOffloadHandler.second_look (tests)
+        # MCORE_OFFLOAD_SECOND_LOOK=0: what a flush leaves because another tensor holds it stays until its backward,
+        # as before the second look (runtime/second_look.py; to measure what the look costs, or to spare its copies)
+        self.second_look = choice_env("MCORE_OFFLOAD_SECOND_LOOK", "1", ("0", "1")) == "1"
         # chunk -> (its device, its parameter and main_grad storages, training steps it was walked in)
         self._protected: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._step_serial = 0  # schedule calls ended so far

@@ -12,7 +12,8 @@ So a handler keeps the groups of every storage its flushes left for that reason,
 again once its forward has returned and before its backward starts (``OffloadManager._look_again``: as the next
 chunk's forward starts, and as another chunk's backward starts). What is free by then is copied out like any
 flushed storage; what is still held (an input received from the previous stage, which the schedule keeps for its
-backward) stays, and is not looked at again.
+backward) stays, and is not looked at again. ``MCORE_OFFLOAD_SECOND_LOOK=0`` turns the look off (what it costs can
+then be measured against it; docs/configuration.md).
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ class SecondLook:
         if self.looking_again:  # counted at the first look
             return
         self.manager.on_skipped(point, nbytes)
+        if not self.manager.second_look:  # MCORE_OFFLOAD_SECOND_LOOK=0
+            return
         for ref in refs:
             if not any(g is ref.group for g in self.held_back):
                 self.held_back.append(ref.group)
