@@ -27,6 +27,7 @@ from mcore_offload.runtime.transport import CudaTransport, _part_ends, _raw_curr
 
 logger = logging.getLogger(__name__)
 
+
 class RawCudaTransport(CoalescedReloads, CudaTransport):
     """:class:`CudaTransport` with every copy, event record and cross-stream wait a direct call into the CUDA
     runtime PyTorch has loaded (:class:`~mcore_offload.runtime.cudart.CudaRuntime`), on raw stream handles.

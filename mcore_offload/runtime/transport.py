@@ -9,20 +9,14 @@ directly into the CUDA runtime, is ``raw_transport.RawCudaTransport``.
 
 from __future__ import annotations
 
-import logging
 from collections import deque
 
 import torch
 
-from mcore_offload.runtime.cudart import (
-    load_runtime,
-)
+from mcore_offload.runtime.cudart import load_runtime
 from mcore_offload.runtime.host_pool import HostBufferPool
 from mcore_offload.runtime.side_streams import make_side_streams
 from mcore_offload.runtime.telemetry import LinkTelemetry
-
-logger = logging.getLogger(__name__)
-
 
 _raw_set_stream = getattr(torch._C, "_cuda_setStream", None)
 _raw_current_stream = getattr(torch._C, "_cuda_getCurrentStream", None)  # (stream id, device index, type)
