@@ -9,7 +9,9 @@ runs of one command read +6.0 and +11.5 % on one rank), so a setting is judged t
 Only settings the runtime reads afresh at every use, and that no state carries from one step to the next, can be
 switched between steps: the layers per copy-out burst (``flush_layers``, ``MCORE_OFFLOAD_FLUSH_LAYERS``) and per
 reload burst (``reload_layers``, ``MCORE_OFFLOAD_RELOAD_LAYERS``), and when backward reloads the layer below
-(``prefetch``, ``MCORE_OFFLOAD_PREFETCH``: ``layer``, ``tail`` or ``late``; Δpeak against reload stall), and whether
+(``prefetch``, ``MCORE_OFFLOAD_PREFETCH``: ``layer``, ``tail`` or ``late``; Δpeak against reload stall), whether a
+chain's first point reloads in a part of its own (``split_chains``, ``MCORE_OFFLOAD_SPLIT_CHAINS``: ``1`` or ``0``),
+and whether
 the offload points' forward glue is the C++ one (``native_points``, ``on`` or ``off``; ``MCORE_OFFLOAD_NATIVE_POINTS``:
 each step's hooks are registered and run within it). Benchmark tooling only: the library never imports it.
 """
@@ -22,12 +24,15 @@ from typing import Any
 #: settings that may change between steps (each the OffloadManager attribute it sets), and their values: None for a
 #: positive whole number of layers, else the words allowed
 SWITCHABLE: dict[str, tuple[str, ...] | None] = {"flush_layers": None, "reload_layers": None,
-                                                 "prefetch": ("layer", "tail", "late"), "native_points": ("on", "off")}
+                                                 "prefetch": ("layer", "tail", "late"), "native_points": ("on", "off"),
+                                                 "split_chains": ("1", "0")}
 
 
 def _get(manager: Any, key: str) -> int | str:
     """The manager's setting ``key`` in this module's words (``native_points`` holds the C++ module or None)."""
     value = getattr(manager, key)
+    if key == "split_chains":
+        return "1" if value else "0"
     return ("on" if value is not None else "off") if key == "native_points" else value
 
 
@@ -37,6 +42,8 @@ def _set(manager: Any, key: str, value: int | str) -> None:
             raise SystemExit("--alternate-runtime native_points=on needs the C++ hooks: they did not load here "
                              "(MCORE_OFFLOAD_NATIVE)")
         setattr(manager, key, manager.native if value == "on" else None)
+    elif key == "split_chains":
+        manager.split_chains = value == "1"
     else:
         setattr(manager, key, value)
 

@@ -309,6 +309,17 @@ def _forward_all_then_backward(model, inputs):
     return [loss.detach() for loss in losses]
 
 
+def steps_forward_all_then_backward(model, steps=2, microbatches=2):
+    """Losses and gradients of ``steps`` steps of :func:`_forward_all_then_backward`."""
+    out = []
+    for step in range(steps):
+        model.zero_grad()
+        inputs = [torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * step + i))
+                  for i in range(microbatches)]
+        out.append((_forward_all_then_backward(model, inputs), [p.grad.clone() for p in model.parameters()]))
+    return out
+
+
 @pytest.mark.parametrize("mode", ["layer", "tail", "late"])
 def test_prefetch_mode_sets_when_the_layer_below_comes_back_with_equal_values(monkeypatch, mode):
     """MCORE_OFFLOAD_PREFETCH: ``layer`` reloads the layer below when a layer's backward starts; ``late`` when it is
@@ -316,13 +327,7 @@ def test_prefetch_mode_sets_when_the_layer_below_comes_back_with_equal_values(mo
     from mcore_offload.runtime.handler import ChunkOffloadHandler
 
     def values(names):
-        model = Toy(cfg(*names), layers=4)
-        out = []
-        for step in range(2):
-            model.zero_grad()
-            inputs = [torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * step + i)) for i in range(2)]
-            out.append((_forward_all_then_backward(model, inputs), [p.grad.clone() for p in model.parameters()]))
-        return out
+        return steps_forward_all_then_backward(Toy(cfg(*names), layers=4))
 
     base = values([])
     # the points' Python glue, whose hooks call the handler's method recorded below (the C++ hooks of

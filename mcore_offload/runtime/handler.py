@@ -299,17 +299,32 @@ class ChunkOffloadHandler(SecondLook, Prefetch, HandlerBase):
                     for point in g.points:
                         self.manager.auto.kept(self.vp_stage, g.layer, point)
             self.pending = []
-        self._reload(group.entries, on_demand=True)
-        latest = None
-        for entry in group.entries:
-            if not entry.compute_waited:
-                if latest is None or entry.h2d_seq > latest.h2d_seq:
-                    latest = entry
-                entry.compute_waited = True
-        if latest is not None:  # one wait, on the latest burst: it covers the earlier ones
-            self.transport.wait_reload(latest.h2d_event, latest.h2d_seq)
+        self._reload(*self._chain_parts(group, group.entries), on_demand=True)
+        self._wait_for_start(group)
         self._prefetch(group)
         self.current_group = max(self.current_group - 1, 0)
+
+    def _wait_for_start(self, group: Group) -> None:
+        """The compute stream's one wait before the group's backward: on the latest reload burst it needs (it covers
+        the earlier ones). A split chain's first point (:meth:`Prefetch._chain_parts`) is not needed at the start:
+        its entries in a later burst are waited for at their first unpack (:meth:`_rebuild`)."""
+        first = group.points[0] if len(group.points) > 1 and self.manager.split_chains else None
+        latest = None
+        for entry in group.entries:
+            if not entry.compute_waited and entry.point != first:
+                if latest is None or entry.h2d_seq > latest.h2d_seq:
+                    latest = entry
+        if latest is None:  # nothing but the first point's: wait for those
+            first = None
+            for entry in group.entries:
+                if not entry.compute_waited and (latest is None or entry.h2d_seq > latest.h2d_seq):
+                    latest = entry
+        if latest is None:
+            return
+        for entry in group.entries:
+            if not entry.compute_waited and (first is None or entry.h2d_seq <= latest.h2d_seq):
+                entry.compute_waited = True
+        self.transport.wait_reload(latest.h2d_event, latest.h2d_seq)
 
     def bulk_reload_group(self, group_to_reload: Any) -> None:
         """TE's name: start the reload of one group."""
@@ -329,7 +344,7 @@ class ChunkOffloadHandler(SecondLook, Prefetch, HandlerBase):
         for group in reversed(self.groups):  # in backward order, one burst each: the first needed waits least
             if group.layer != last:
                 break
-            self._reload(group.entries)  # pending groups have none yet: they stay on the device
+            self._reload(*self._chain_parts(group, group.entries))  # pending groups have none: they stay
 
     def _reload(self, *runs: list[Entry], on_demand: bool = False) -> None:
         """One reload burst for what is on the host only in ``runs`` (lists of entries, in the order needed; each run

@@ -147,6 +147,8 @@ class OffloadManager:
         self.flush_layers = flush_layers_from_env()
         self.reload_layers = reload_layers_from_env()
         self.prefetch = choice_env("MCORE_OFFLOAD_PREFETCH", DEFAULT_PREFETCH, ("layer", "tail", "late"))
+        # a chain's first point reloads in a part of its own, waited for where its backward starts (prefetch.py)
+        self.split_chains = choice_env("MCORE_OFFLOAD_SPLIT_CHAINS", "1", ("0", "1")) == "1"
         self.host_memory = host_memory_kind()  # a bad MCORE_OFFLOAD_HOST_MEMORY fails here, before any step
         self.side_streams = side_stream_kind()  # and a bad MCORE_OFFLOAD_SIDE_STREAMS
         # the C++ saved-tensor hooks (runtime/native), or None: the Python ones (MCORE_OFFLOAD_NATIVE)

@@ -99,8 +99,27 @@ class Prefetch:
             if not prev.done:
                 run = [e for e in prev.entries if e.device_storage is None and e.host is not None]
                 if run:
-                    needed.append(run)
+                    needed.extend(self._chain_parts(prev, run))
         return needed
+
+    def _chain_parts(self, group: Group, run: list[Entry]) -> list[list[Entry]]:
+        """``run`` (entries of ``group``) as the reload parts backward needs one after the other: a chain's later
+        points' storages, then its first point's (``split_chains``, ``MCORE_OFFLOAD_SPLIT_CHAINS``).
+
+        A chain's backward runs its points last to first, so its first point's storages (qkv_linear's input in
+        the attention chain) are needed last. In their own part, with their own done event, they arrive behind
+        the later points' backward where a reload runs late (the ``tail`` moment, a chunk's backward start) instead
+        of holding up its start: :meth:`ChunkOffloadHandler.on_group_commit_backward` waits for the later part
+        only, and the first point's part is waited for at its first unpack. Same bytes at the same moments, so
+        memory does not change.
+        """
+        if len(group.points) < 2 or not self.manager.split_chains:
+            return [run]
+        first = group.points[0]
+        later = [e for e in run if e.point != first]
+        if not later or len(later) == len(run):
+            return [run]
+        return [later, [e for e in run if e.point == first]]
 
     def _prefetch_layer_below(self, group: Group) -> None:
         """The layer's first group is done (a late prefetch, see :meth:`_late`): its storages go as the layer

@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <unordered_set>
+#include <vector>
 
 namespace mco {
 namespace {
@@ -57,6 +58,8 @@ PyObject* s_pool;
 PyObject* s_routed_owner;
 PyObject* s_free;
 PyObject* s_release_host;
+PyObject* s_split_chains;
+PyObject* s_points;
 
 // getattr(obj, name) as a C long (-1 with an error set on failure; callers check PyErr_Occurred)
 long attr_long(PyObject* obj, PyObject* name) {
@@ -119,8 +122,53 @@ int late_for(PyObject* handler, int mode, long layer) {
   return kept < 0 ? -1 : !kept;
 }
 
+// The point whose entries a split chain reloads last and waits for at their first unpack (prefetch._chain_parts):
+// the group's first point where it spans several and handler.manager.split_chains holds; else None. A new reference
+// (nullptr: error).
+PyObject* split_first_point(PyObject* handler, PyObject* group) {
+  Ref points(PyObject_GetAttr(group, s_points));
+  if (!points) return nullptr;
+  Py_ssize_t n = PyObject_Length(points.get());
+  if (n < 0) return nullptr;
+  if (n < 2) Py_RETURN_NONE;
+  Ref manager(PyObject_GetAttr(handler, s_manager));
+  int split = manager ? attr_true(manager.get(), s_split_chains) : -1;
+  if (split < 0) return nullptr;
+  if (!split) Py_RETURN_NONE;
+  return PySequence_GetItem(points.get(), 0);
+}
+
+// 1 where entry.point equals ``point`` (a str, or None: never), 0 where not, -1 error
+int of_point(PyObject* entry, PyObject* point) {
+  if (point == Py_None) return 0;
+  Ref p(PyObject_GetAttr(entry, s_point));
+  return p ? PyObject_RichCompareBool(p.get(), point, Py_EQ) : -1;
+}
+
+// prefetch._chain_parts: ``run`` (entries of ``group``) appended to ``needed`` as one part, or as a split chain's two
+// (its later points' entries, then its first point's) (-1: error)
+int append_parts(PyObject* handler, PyObject* group, PyObject* run, PyObject* needed) {
+  Ref first(split_first_point(handler, group));
+  if (!first) return -1;
+  if (first.get() != Py_None) {
+    Ref later(PyList_New(0));
+    Ref own(later ? PyList_New(0) : nullptr);
+    if (!own) return -1;
+    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(run); ++k) {
+      PyObject* e = PyList_GET_ITEM(run, k);
+      int mine = of_point(e, first.get());
+      if (mine < 0 || PyList_Append(mine ? own.get() : later.get(), e) < 0) return -1;
+    }
+    if (PyList_GET_SIZE(later.get()) > 0 && PyList_GET_SIZE(own.get()) > 0) {
+      return PyList_Append(needed, later.get()) < 0 ? -1 : PyList_Append(needed, own.get());
+    }
+  }
+  return PyList_Append(needed, run);
+}
+
 // handler._on_host_down_to: the entries still only on the host of the groups before ``index``, back to layer
-// ``reach``, one list per group that has any, appended to ``needed`` in backward order (-1: error)
+// ``reach``, one list per group that has any (two for a split chain: append_parts), appended to ``needed`` in backward
+// order (-1: error)
 int on_host_down_to(PyObject* handler, long index, long reach, PyObject* needed) {
   Ref groups(PyObject_GetAttr(handler, s_groups));
   if (!groups) return -1;
@@ -146,7 +194,7 @@ int on_host_down_to(PyObject* handler, long index, long reach, PyObject* needed)
       if (!host) return -1;
       if (storage.get() == Py_None && host.get() != Py_None && PyList_Append(run.get(), e) < 0) return -1;
     }
-    if (PyList_GET_SIZE(run.get()) > 0 && PyList_Append(needed, run.get()) < 0) return -1;
+    if (PyList_GET_SIZE(run.get()) > 0 && append_parts(handler, prev, run.get(), needed) < 0) return -1;
   }
   return 0;
 }
@@ -201,34 +249,47 @@ int commit_fast_path(PyObject* handler, PyObject* manager) {
   return k == 1 ? 1 : 0;
 }
 
-// The compute stream's one wait for a group: on the latest reload burst of its entries not yet waited for (it covers
-// the earlier ones); every such entry is marked waited (-1: error)
-int wait_latest(PyObject* handler, PyObject* entries) {
-  Ref seq(PySequence_Fast(entries, "group.entries must be a list"));
+// handler._wait_for_start: the compute stream's one wait before a group's backward, on the latest reload burst of
+// the entries it needs not yet waited for (it covers the earlier ones), which are marked waited; a split chain's
+// first point's entries in a later burst are left to their first unpack (-1: error)
+int wait_latest(PyObject* handler, PyObject* group, PyObject* entries) {
+  Ref first(split_first_point(handler, group));
+  Ref seq(first ? PySequence_Fast(entries, "group.entries must be a list") : nullptr);
   if (!seq) return -1;
-  PyObject* latest = nullptr;  // borrowed from the entries list
-  Ref latest_seq;
-  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq.get()); ++i) {
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.get());
+  std::vector<long> seqs(static_cast<size_t>(n), 0);
+  std::vector<char> open(static_cast<size_t>(n), 0), mine(static_cast<size_t>(n), 0);
+  for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* e = PySequence_Fast_GET_ITEM(seq.get(), i);
     int waited = attr_true(e, s_compute_waited);
     if (waited < 0) return -1;
     if (waited) continue;
-    Ref h2d_seq(PyObject_GetAttr(e, s_h2d_seq));
-    if (!h2d_seq) return -1;
-    int later = latest == nullptr ? 1 : PyObject_RichCompareBool(h2d_seq.get(), latest_seq.get(), Py_GT);
-    if (later < 0) return -1;
-    if (later) {
-      latest = e;
-      Py_INCREF(h2d_seq.get());
-      latest_seq.reset(h2d_seq.get());
-    }
-    if (PyObject_SetAttr(e, s_compute_waited, Py_True) < 0) return -1;
+    open[i] = 1;
+    seqs[i] = attr_long(e, s_h2d_seq);
+    int m = of_point(e, first.get());
+    if ((seqs[i] == -1 && PyErr_Occurred()) || m < 0) return -1;
+    mine[i] = static_cast<char>(m);
   }
-  if (latest == nullptr) return 0;
+  bool split = true;
+  Py_ssize_t latest = -1;
+  for (int pass = 0; pass < 2 && latest < 0; ++pass) {  // the second pass: nothing but the first point's
+    split = pass == 0;
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      if (open[i] && !(split && mine[i]) && (latest < 0 || seqs[i] > seqs[latest])) latest = i;
+    }
+  }
+  if (latest < 0) return 0;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (open[i] && (!split || seqs[i] <= seqs[latest]) &&
+        PyObject_SetAttr(PySequence_Fast_GET_ITEM(seq.get(), i), s_compute_waited, Py_True) < 0)
+      return -1;
+  }
+  PyObject* entry = PySequence_Fast_GET_ITEM(seq.get(), latest);
   Ref transport(PyObject_GetAttr(handler, s_transport));
-  Ref event(transport ? PyObject_GetAttr(latest, s_h2d_event) : nullptr);
-  Ref r(event ? PyObject_CallMethodObjArgs(transport.get(), s_wait_reload, event.get(), latest_seq.get(), nullptr)
-              : nullptr);
+  Ref event(transport ? PyObject_GetAttr(entry, s_h2d_event) : nullptr);
+  Ref latest_seq(event ? PyObject_GetAttr(entry, s_h2d_seq) : nullptr);
+  Ref r(latest_seq ? PyObject_CallMethodObjArgs(transport.get(), s_wait_reload, event.get(), latest_seq.get(), nullptr)
+                   : nullptr);
   return r ? 0 : -1;
 }
 
@@ -252,8 +313,11 @@ int commit_backward_impl(PyObject* handler, PyObject* group) {
     if (!vp || PyObject_SetItem(chunk_layers.get(), vp.get(), layers.get()) < 0) return -1;
   }
   Ref entries(PyObject_GetAttr(group, s_entries));
-  Ref runs(entries ? PyTuple_Pack(1, entries.get()) : nullptr);
-  if (!runs || reload_runs(handler, runs.get(), true) < 0 || wait_latest(handler, entries.get()) < 0 ||
+  Ref parts(entries && PyList_Check(entries.get()) ? PyList_New(0) : nullptr);
+  if (entries && !parts && !PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "group.entries must be a list");
+  Ref runs(parts && append_parts(handler, group, entries.get(), parts.get()) == 0 ? PyList_AsTuple(parts.get())
+                                                                                 : nullptr);
+  if (!runs || reload_runs(handler, runs.get(), true) < 0 || wait_latest(handler, group, entries.get()) < 0 ||
       prefetch(handler, group, mode) < 0)
     return -1;
   long current = attr_long(handler, s_current_group);
@@ -435,7 +499,7 @@ bool backward_names_ready() {
       {&s_opened, "opened"}, {&s_refs, "refs"}, {&s_storage_ref, "storage_ref"}, {&s_live, "live"},
       {&s_on_hosts_freed, "on_hosts_freed"}, {&s_on_handler_finished, "on_handler_finished"}, {&s_pool, "pool"},
       {&s_routed_owner, "_routed_owner"}, {&s_free, "_free"},
-      {&s_release_host, "release_host"}};
+      {&s_release_host, "release_host"}, {&s_split_chains, "split_chains"}, {&s_points, "points"}};
   return intern_names(names, sizeof(names) / sizeof(names[0]));
 }
 

@@ -1,0 +1,114 @@
+"""A chain's first point comes back last, in a reload part of its own, and backward waits for it only where that
+point's backward starts (``MCORE_OFFLOAD_SPLIT_CHAINS``, runtime/prefetch.py ``_chain_parts``). Same values."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_flush_bursts import steps_forward_all_then_backward
+from test_runtime_unit import Toy, cfg
+
+from mcore_offload.runtime import manager as manager_module
+from mcore_offload.runtime.handler import ChunkOffloadHandler
+
+CHAIN = ["qkv_linear", "core_attn", "attn_proj"]
+
+
+def _train(monkeypatch, names, split):
+    """Losses and gradients of two steps; the points of every run of each Python reload call; at each group's
+    backward start and end, whether each of its entries was waited for, by point."""
+    monkeypatch.setenv("MCORE_OFFLOAD_SPLIT_CHAINS", split)
+    monkeypatch.setenv("MCORE_OFFLOAD_NATIVE_POINTS", "0")  # hooks that call the handler's methods recorded below
+    manager_module.reset()
+    reloads: list[list[list[str]]] = []
+    at_start: list[list[tuple[str, bool]]] = []
+    at_end: list[list[tuple[str, bool]]] = []
+    real_reload = ChunkOffloadHandler._reload
+    real_commit = ChunkOffloadHandler.on_group_commit_backward
+    real_done = ChunkOffloadHandler.on_group_backward_done
+
+    def reload(self, *runs, on_demand=False):
+        reloads.append([[e.point for e in run if e.device_storage is None and e.host is not None] for run in runs])
+        return real_reload(self, *runs, on_demand=on_demand)
+
+    def commit(self, group=None):
+        real_commit(self, group)
+        if group is not None and group.entries:
+            at_start.append([(e.point, e.compute_waited) for e in group.entries])
+
+    def done(self, group):
+        if group.entries and not group.done:
+            at_end.append([(e.point, e.compute_waited) for e in group.entries])
+        return real_done(self, group)
+
+    monkeypatch.setattr(ChunkOffloadHandler, "_reload", reload)
+    monkeypatch.setattr(ChunkOffloadHandler, "on_group_commit_backward", commit)
+    monkeypatch.setattr(ChunkOffloadHandler, "on_group_backward_done", done)
+    # microbatch 0 does not turn around: its last layer and the layer below come back late (the ``tail`` moment)
+    out = steps_forward_all_then_backward(Toy(cfg(*names), layers=4))
+    monkeypatch.undo()
+    return out, reloads, at_start, at_end
+
+
+def _equal(a, b):
+    return all(torch.equal(x, y) for (l0, g0), (l1, g1) in zip(a, b) for x, y in zip(l0 + g0, l1 + g1))
+
+
+def _first_point_parts(reloads):
+    """Reload calls where a run of the first point's storages alone follows a run without them."""
+    return [runs for runs in reloads for before, after in zip(runs, runs[1:])
+            if after and set(after) == {"qkv_linear"} and before and "qkv_linear" not in before]
+
+
+@pytest.mark.parametrize("split", ["1", "0"])
+def test_a_late_chain_reload_brings_the_first_point_last_and_waits_for_it_at_its_unpack(monkeypatch, hook_impl,
+                                                                                       split):
+    base, *_ = _train(monkeypatch, [], split)
+    got, reloads, at_start, at_end = _train(monkeypatch, CHAIN, split)
+    assert _equal(base, got)
+    late = _first_point_parts(reloads)
+    held_back = [entries for entries in at_start if any(p == "qkv_linear" and not w for p, w in entries)]
+    if split == "1":
+        # two late moments per step (microbatch 0's last layer at its backward's start, and the layer below)
+        assert len(late) >= 4
+        assert held_back, "a late chain's first point was waited for at the group's start"
+        for entries in held_back:  # everything the later points saved was waited for at the start
+            assert all(w for p, w in entries if p != "qkv_linear")
+    else:
+        assert not late and not held_back
+    # by the group's end every entry was waited for: the first point's at its unpack
+    assert at_end and all(w for entries in at_end for _, w in entries)
+
+
+def test_a_single_point_group_is_never_split(monkeypatch, hook_impl):
+    _, reloads, at_start, _ = _train(monkeypatch, ["core_attn"], "1")
+    assert all(len(runs) == 1 for runs in reloads if any(runs))
+    assert all(w for entries in at_start for _, w in entries)
+
+
+def test_a_bad_split_chains_value_is_one_clear_sentence(monkeypatch):
+    monkeypatch.setenv("MCORE_OFFLOAD_SPLIT_CHAINS", "yes")
+    with pytest.raises(ValueError, match=r"MCORE_OFFLOAD_SPLIT_CHAINS='yes' is not one of 0, 1; unset it"):
+        manager_module.OffloadManager()
+
+
+def test_the_runtime_switch_turns_the_split_off_and_on_between_steps(monkeypatch):
+    """benchmarks/runtime_switch.py (``sw_`` runs): the split's cost is measured against its absence in one process."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from runtime_switch import RuntimeSwitch, parse_settings
+
+    manager_module.reset()
+    manager = manager_module.get_manager()
+    assert manager.split_chains is True  # the default
+    switch = RuntimeSwitch(parse_settings(["split_chains=0"]))
+    held = []
+    for under_test in (True, False, True):
+        switch.start_step(under_test)
+        held.append(manager.split_chains)
+        switch.end_step()
+    assert held == [False, True, False]
+    assert switch.held == [{"split_chains": "0"}, {"split_chains": "1"}, {"split_chains": "0"}]
+    with pytest.raises(ValueError, match="split_chains must be one of 1, 0"):
+        parse_settings(["split_chains=on"])
