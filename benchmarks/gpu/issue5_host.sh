@@ -112,7 +112,10 @@ for rep in $(seq 1 "${REPS:-2}"); do
         midec_*) alt="--offload-from-step ${MID_FROM:-20} --offload-first-steps ${MID_TO:-30} --at-offload-stop empty-cache" ;;
         midh_*) alt="--offload-from-step ${MID_FROM:-20} --offload-first-steps ${MID_TO:-30} --at-offload-stop release-host" ;;
         midb_*) alt="--offload-from-step ${MID_FROM:-20} --offload-first-steps ${MID_TO:-30} --at-offload-stop both" ;;
-        sw_*) alt="--alternate-runtime ${SWITCH:-flush_layers=4 reload_layers=2} --alternate-period ${ALT_PERIOD:-2}" ;;
+        # an odd telemetry period, so that GPU-timed steps fall on both sides of the switch (session 40: every
+        # fourth step timed only the switched side)
+        sw_*) alt="--alternate-runtime ${SWITCH:-flush_layers=4 reload_layers=2} --alternate-period ${ALT_PERIOD:-2}"
+          envs="$envs MCORE_OFFLOAD_TELEMETRY_EVERY=${SW_TELEMETRY_EVERY:-3}" ;;
         *) alt="" ;; esac
       case ${name%@old} in *_bd) alt="$alt --runtime-breakdown" ;; esac
       base=${nosp%@old}; base=${base//_ssa/}; base=${base//_ssh/}; base=${base//_nccldbg/}; base=${base//_wc/}; base=${base//_coal/}; base=${base//_nolook/}; base=${base//_nosplit/}; base=${base//_py/}; base=${base//_f4/}; base=${base//_r2/}; base=${base#alt_}; base=${base#sw_}; base=${base#idle_}; base=${base#stop_}; base=${base#stopec_}; base=${base#stoph_}; base=${base#stopb_}; base=${base#mid_}; base=${base#midec_}; base=${base#midh_}; base=${base#midb_}; [[ $base =~ ^blk[0-9]+_(.*)$ ]] && base=${BASH_REMATCH[1]}; base=${base%_bd}; base=${base%_nochain}; base=${base%_torchcopy}

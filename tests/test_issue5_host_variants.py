@@ -1,0 +1,52 @@
+"""benchmarks/gpu/issue5_host.sh: what each variant name sets for its run (a stand-in torchrun records the
+environment and arguments; nothing trains)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+FAKE_TORCHRUN = """#!/usr/bin/env bash
+n=$(ls "$RECORD_DIR" | wc -l)
+{ env | grep '^MCORE_OFFLOAD_' | sort; echo "ARGS $*"; } > "$RECORD_DIR/run$n"
+"""
+
+
+def _launches(tmp_path: Path, variants: str) -> list[tuple[dict[str, str], str]]:
+    """(MCORE_OFFLOAD_* environment, torchrun arguments) of every run the script launches for ``variants``."""
+    bin_dir, record = tmp_path / "bin", tmp_path / "record"
+    bin_dir.mkdir()
+    record.mkdir()
+    fake = bin_dir / "torchrun"
+    fake.write_text(FAKE_TORCHRUN)
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MCORE_OFFLOAD_")}
+    # python3 is this interpreter (the script's summary imports torch)
+    env.update(PATH=f"{bin_dir}:{Path(sys.executable).parent}:{env['PATH']}", PYTHONPATH="", RECORD_DIR=str(record),
+               COSTS="0", REPS="1", ITERS="3", CONFIG="A", VARIANTS=variants)
+    subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu" / "issue5_host.sh"), str(tmp_path / "out")], cwd=ROOT,
+                   env=env, capture_output=True, text=True, timeout=120)
+    out = []
+    for path in sorted(record.iterdir(), key=lambda p: int(p.name[3:])):
+        lines = path.read_text().splitlines()
+        envs = dict(line.split("=", 1) for line in lines if line.startswith("MCORE_OFFLOAD_"))
+        out.append((envs, next(line for line in lines if line.startswith("ARGS "))))
+    return out
+
+
+def test_variant_suffixes_and_prefixes_set_their_switches(tmp_path):
+    runs = _launches(tmp_path, "sw_attn alt_attn_nosplit alt_attn_nolook alt_attn")
+    assert len(runs) == 4
+    (sw, sw_args), (nosplit, _), (nolook, _), (plain, plain_args) = runs
+    # a switching run times every third step, so GPU-timed steps fall on both sides of the switch
+    assert sw["MCORE_OFFLOAD_TELEMETRY_EVERY"] == "3" and "--alternate-runtime" in sw_args
+    assert nosplit["MCORE_OFFLOAD_SPLIT_CHAINS"] == "0" and "MCORE_OFFLOAD_SECOND_LOOK" not in nosplit
+    assert nolook["MCORE_OFFLOAD_SECOND_LOOK"] == "0" and "MCORE_OFFLOAD_SPLIT_CHAINS" not in nolook
+    assert not {"MCORE_OFFLOAD_SPLIT_CHAINS", "MCORE_OFFLOAD_SECOND_LOOK", "MCORE_OFFLOAD_TELEMETRY_EVERY"} & set(plain)
+    # every suffix leaves the same offload set
+    assert all("--offload-modules qkv_linear core_attn attn_proj " in args for _, args in runs)
+    assert "--alternate-offload" in plain_args
