@@ -90,7 +90,7 @@ def test_selective_recompute_keeps_the_points_it_does_not_checkpoint():
 
 
 def test_auto_leaves_out_the_points_recompute_rules_out():
-    from mcore_offload.runtime.manager import point_enabled
+    from mcore_offload.runtime.enabled import point_enabled
 
     cfg = make_config(fine_grained_activation_offloading=True, offload_modules=["auto"],
                       recompute_granularity="selective", recompute_modules=["layernorm", "core_attn"])

@@ -7,7 +7,8 @@ import torch
 
 import mcore_offload
 from mcore_offload.runtime import points
-from mcore_offload.runtime.manager import enabled_points, get_manager
+from mcore_offload.runtime.enabled import enabled_points
+from mcore_offload.runtime.manager import get_manager
 from mcore_offload.summary import get_summary
 from tests.test_runtime_unit import Toy, cfg, train_step
 

@@ -401,12 +401,12 @@ def test_parameter_storages_are_walked_in_the_first_two_steps_then_kept(monkeypa
 
 
 def test_a_changed_offload_modules_list_is_seen_by_the_next_chunk():
-    from mcore_offload.runtime.manager import _enabled_points_cached
+    from mcore_offload.runtime.enabled import enabled_points_cached
 
     config = cfg("core_attn")
-    assert _enabled_points_cached(config) == frozenset({"core_attn"})
+    assert enabled_points_cached(config) == frozenset({"core_attn"})
     config.offload_modules = ["core_attn", "attn_proj"]
-    assert _enabled_points_cached(config) == frozenset({"core_attn", "attn_proj"})
+    assert enabled_points_cached(config) == frozenset({"core_attn", "attn_proj"})
 
 
 class _Burst:

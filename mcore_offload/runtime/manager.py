@@ -22,15 +22,10 @@ from typing import Any
 
 import torch
 
-from mcore_offload.config import (
-    OFFLOAD_MODULES,
-    choice_env,
-    positive_int_env,
-    recompute_conflicts,
-    selectively_recomputed,
-)
-from mcore_offload.runtime.auto import AUTO, AutoPlanner, clock_mark, elapsed_ms, parse_auto
+from mcore_offload.config import choice_env, positive_int_env
+from mcore_offload.runtime.auto import AutoPlanner, clock_mark, elapsed_ms, parse_auto
 from mcore_offload.runtime.auto_choice import Plan
+from mcore_offload.runtime.enabled import enabled_points_cached, in_backward, point_enabled
 from mcore_offload.runtime.handler import ChunkOffloadHandler
 from mcore_offload.runtime.host_pool import host_memory_kind
 from mcore_offload.runtime.native import load_native
@@ -40,45 +35,6 @@ from mcore_offload.runtime.transport import reset_transports, settle_pools
 from mcore_offload.summary import OffloadSummary
 
 logger = logging.getLogger(__name__)
-
-
-_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
-
-
-def _in_backward() -> bool:
-    """True while the autograd engine runs a backward (recompute inside backward must not offload)."""
-    return _graph_task_id is not None and _graph_task_id() != -1
-
-
-def point_enabled(config: Any, name: str | None) -> bool:
-    if name is None or not getattr(config, "fine_grained_activation_offloading", False):
-        return False
-    modules = config.offload_modules or ()
-    if name in modules:
-        return True
-    if len(modules) == 1 and modules[0].startswith(AUTO):
-        # auto may choose any point but those the config's recompute rules out (cached: a hot path)
-        excluded = getattr(config, "_mcore_offload_auto_excluded", None)
-        if excluded is None:
-            excluded = frozenset(recompute_conflicts(selectively_recomputed(config)))
-            object.__setattr__(config, "_mcore_offload_auto_excluded", excluded)
-        return name not in excluded
-    return False
-
-
-def enabled_points(config: Any) -> frozenset[str]:
-    """The offload points :func:`point_enabled` can answer True for under ``config``."""
-    return frozenset(name for name in OFFLOAD_MODULES if point_enabled(config, name))
-
-
-def _enabled_points_cached(config: Any) -> frozenset[str]:
-    """:func:`enabled_points`, kept on the config per ``offload_modules`` value (one chunk start per microbatch)."""
-    key = tuple(config.offload_modules or ())
-    cached = getattr(config, "_mcore_offload_enabled_points", None)
-    if cached is None or cached[0] != key:
-        cached = (key, enabled_points(config))
-        object.__setattr__(config, "_mcore_offload_enabled_points", cached)
-    return cached[1]
 
 
 #: training steps in which a chunk's parameter storages are walked before the set is kept (see begin_chunk)
@@ -203,7 +159,7 @@ class OffloadManager:
         self._look_again(None)
         if not getattr(config, "fine_grained_activation_offloading", False):
             return
-        if not model.training or not torch.is_grad_enabled() or _in_backward() or self.pause_depth:
+        if not model.training or not torch.is_grad_enabled() or in_backward() or self.pause_depth:
             return
         target = parse_auto(config.offload_modules)
         if target is not False and self.auto is None:
@@ -226,7 +182,7 @@ class OffloadManager:
         # The points this chunk's config can enable at all: the other points of every layer leave ``offload``
         # on one set lookup (six of seven points per layer with a one-point set; each lookup is step time).
         handler.config = config
-        handler.enabled_points = _enabled_points_cached(config)
+        handler.enabled_points = enabled_points_cached(config)
         self.handlers.append(handler)
         self.forward_handler = handler
         self._trained = True
@@ -279,7 +235,7 @@ class OffloadManager:
         # point and layer)
         if not (name in handler.enabled_points if config is handler.config else point_enabled(config, name)):
             return None
-        if not torch.is_grad_enabled() or _in_backward():
+        if not torch.is_grad_enabled() or in_backward():
             return None
         if self.auto is not None and not self.auto.enabled(handler.vp_stage, handler.layers, name):
             return None
@@ -288,7 +244,7 @@ class OffloadManager:
     def layer_boundary(self) -> None:
         """A transformer layer starts: the previous layer's groups may leave the device."""
         handler = self.forward_handler
-        if handler is not None and not _in_backward():
+        if handler is not None and not in_backward():
             t0 = perf_counter_ns()
             self.close_chain()
             handler.layers += 1

@@ -35,8 +35,9 @@ from typing import Any, TypeVar
 import torch
 
 from mcore_offload.runtime import manager as _manager_module
+from mcore_offload.runtime.enabled import in_backward
 from mcore_offload.runtime.handler import ChunkOffloadHandler
-from mcore_offload.runtime.manager import _in_backward, get_manager
+from mcore_offload.runtime.manager import get_manager
 from mcore_offload.runtime.saved import Group
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -192,7 +193,7 @@ def offload(name: str | None, config: Any, tensor: torch.Tensor) -> contextlib.A
     forward = manager.forward_handler
     if config is forward.config and manager.auto is None:
         # handler_for's answer for the forward chunk's own config without auto, without the call
-        if name not in forward.enabled_points or not _grad_enabled() or _in_backward():
+        if name not in forward.enabled_points or not _grad_enabled() or in_backward():
             return _Passthrough(tensor)
         handler = forward
     else:
@@ -306,7 +307,7 @@ def commit(name: str | None, config: Any, value: Any) -> Any:
     # config its own, without auto
     fast = opened_by is manager.forward_handler and config is opened_by.config and manager.auto is None
     if fast:
-        handler = opened_by if name in opened_by.enabled_points and _grad_enabled() and not _in_backward() else None
+        handler = opened_by if name in opened_by.enabled_points and _grad_enabled() and not in_backward() else None
     else:
         handler = manager.handler_for(config, name)
     if handler is None:

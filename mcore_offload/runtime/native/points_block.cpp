@@ -98,7 +98,7 @@ bool calls_ready() {
   return true;
 }
 
-// manager._in_backward(): the autograd engine runs a backward (1), not (0), error (-1)
+// enabled.in_backward(): the autograd engine runs a backward (1), not (0), error (-1)
 int in_backward() {
   if (g_calls.graph_task_id == Py_None) return 0;
   Ref id(PyObject_CallNoArgs(g_calls.graph_task_id));
