@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_runtime_unit import Toy, cfg, train_step
+from test_runtime_unit import Toy, cfg, toy_steps, train_step
 
 from mcore_offload.runtime import manager as manager_module
 from mcore_offload.runtime import transport as transport_module
@@ -311,13 +311,7 @@ def _forward_all_then_backward(model, inputs):
 
 def steps_forward_all_then_backward(model, steps=2, microbatches=2):
     """Losses and gradients of ``steps`` steps of :func:`_forward_all_then_backward`."""
-    out = []
-    for step in range(steps):
-        model.zero_grad()
-        inputs = [torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * step + i))
-                  for i in range(microbatches)]
-        out.append((_forward_all_then_backward(model, inputs), [p.grad.clone() for p in model.parameters()]))
-    return out
+    return toy_steps(model, steps, microbatches, _forward_all_then_backward)
 
 
 @pytest.mark.parametrize("mode", ["layer", "tail", "late"])

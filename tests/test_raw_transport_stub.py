@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_runtime_unit import Toy, cfg, train_step
+from test_runtime_unit import Toy, cfg, toy_steps
 
 from mcore_offload.runtime import manager as manager_module
 from mcore_offload.runtime import raw_transport as raw_transport_module
@@ -36,14 +36,7 @@ def _train(names, steps=3, microbatches=2, layers=4, transport=None):
     manager_module.reset()
     if transport is not None:
         transport_module._TRANSPORTS[torch.device("cpu")] = transport
-    model = Toy(cfg(*names), layers=layers)
-    out = []
-    for step in range(steps):
-        model.zero_grad()
-        inputs = [torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * step + i))
-                  for i in range(microbatches)]
-        out.append((train_step(model, inputs), [p.grad.clone() for p in model.parameters()]))
-    return out
+    return toy_steps(Toy(cfg(*names), layers=layers), steps, microbatches)
 
 
 def _counters():

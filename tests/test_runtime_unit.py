@@ -61,16 +61,21 @@ def train_step(model, inputs):
     return losses
 
 
-def run(names, steps=2, microbatches=2):
-    model = Toy(cfg(*names))
+def toy_steps(model, steps=2, microbatches=2, step_fn=None):
+    """Losses and gradients of ``steps`` training steps of the toy (``step_fn``: how a step runs its microbatches,
+    :func:`train_step` by default), on the same seeded inputs every time."""
+    step_fn = step_fn or train_step
     results = []
     for step in range(steps):
         model.zero_grad()
         inputs = [torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * step + i))
                   for i in range(microbatches)]
-        losses = train_step(model, inputs)
-        results.append((losses, [p.grad.clone() for p in model.parameters()]))
+        results.append((step_fn(model, inputs), [p.grad.clone() for p in model.parameters()]))
     return results
+
+
+def run(names, steps=2, microbatches=2):
+    return toy_steps(Toy(cfg(*names)), steps, microbatches)
 
 
 @pytest.mark.parametrize("names", [["qkv_linear"], ["core_attn"], ["core_attn", "attn_proj"],
