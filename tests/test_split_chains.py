@@ -18,7 +18,8 @@ CHAIN = ["qkv_linear", "core_attn", "attn_proj"]
 
 def _train(monkeypatch, names, split):
     """Losses and gradients of two steps; the points of every run of each Python reload call; at each group's
-    backward start and end, whether each of its entries was waited for, by point."""
+    backward start and end, whether each of its entries was waited for, by point. The hooks are the ones the
+    test's ``hook_impl`` chose."""
     monkeypatch.setenv("MCORE_OFFLOAD_SPLIT_CHAINS", split)
     monkeypatch.setenv("MCORE_OFFLOAD_NATIVE_POINTS", "0")  # hooks that call the handler's methods recorded below
     manager_module.reset()
@@ -43,12 +44,12 @@ def _train(monkeypatch, names, split):
             at_end.append([(e.point, e.compute_waited) for e in group.entries])
         return real_done(self, group)
 
-    monkeypatch.setattr(ChunkOffloadHandler, "_reload", reload)
-    monkeypatch.setattr(ChunkOffloadHandler, "on_group_commit_backward", commit)
-    monkeypatch.setattr(ChunkOffloadHandler, "on_group_backward_done", done)
-    # microbatch 0 does not turn around: its last layer and the layer below come back late (the ``tail`` moment)
-    out = steps_forward_all_then_backward(Toy(cfg(*names), layers=4))
-    monkeypatch.undo()
+    with pytest.MonkeyPatch.context() as methods:  # this run only (``monkeypatch`` holds the test's settings)
+        methods.setattr(ChunkOffloadHandler, "_reload", reload)
+        methods.setattr(ChunkOffloadHandler, "on_group_commit_backward", commit)
+        methods.setattr(ChunkOffloadHandler, "on_group_backward_done", done)
+        # microbatch 0 does not turn around: its last layer and the layer below come back late (the ``tail`` moment)
+        out = steps_forward_all_then_backward(Toy(cfg(*names), layers=4))
     return out, reloads, at_start, at_end
 
 
@@ -67,6 +68,7 @@ def test_a_late_chain_reload_brings_the_first_point_last_and_waits_for_it_at_its
                                                                                        split):
     base, *_ = _train(monkeypatch, [], split)
     got, reloads, at_start, at_end = _train(monkeypatch, CHAIN, split)
+    assert (manager_module.get_manager().native is not None) == (hook_impl == "native")
     assert _equal(base, got)
     late = _first_point_parts(reloads)
     held_back = [entries for entries in at_start if any(p == "qkv_linear" and not w for p, w in entries)]
