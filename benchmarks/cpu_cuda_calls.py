@@ -77,7 +77,7 @@ def count_calls(pattern: str, layers: int, microbatches: int, experts: int, step
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pattern", choices=["grouped", "attention"], default="attention")
+    p.add_argument("--pattern", choices=["grouped", "attention", "attention-set"], default="attention")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--experts", type=int, default=16)

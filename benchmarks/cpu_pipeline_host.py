@@ -1,0 +1,144 @@
+"""CPU measurement: the runtime's host time a step at PP=1 against PP=2 x VPP=2, and where the difference goes.
+
+On the GPU host the runtime clocks 28-33 ms a step on D-dense's rank 0 (PP=2 x VPP=2, 64 layer-microbatches a rank)
+against 21-25 ms on A (PP=1, also 64), and in a launch-bound step that host time is step time (sessions 38-40). This
+runs the tests' tiny dense GPT (megatron-core's local spec, gloo) with the given points over the stub CUDA runtime of
+``cpu_transport_glue.py`` (the GPU's transport and C++ paths; CUDA calls return at once, copies are memcpy), once per
+layout, with the same layers and microbatches, and prints per layout: the runtime's own clock a step and per
+layer-microbatch (``summary.runtime_ns``, the figure ``pretrain_gpt.py`` reports as ``runtime host ms``), and, with
+``--breakdown``, the inclusive time of each runtime function (``runtime_breakdown.py``; its wrappers add their own
+cost, and it times the Python points' glue, so read its rows against each other, not against the clock):
+
+    python benchmarks/cpu_pipeline_host.py [--layers 16] [--microbatches 8] [--steps 12] [--breakdown]
+        [--points qkv_linear core_attn attn_proj] [--json-out FILE]
+
+Rank 0 is the pipeline's first stage (the D rows' rank 0). Needs a C compiler (the stub is built on the fly).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+logger = logging.getLogger("cpu_pipeline_host")
+
+#: layout name -> (pipeline size, virtual pipeline size or None)
+LAYOUTS = {"pp1": (1, None), "pp2vpp2": (2, 2)}
+
+
+def layout_job(rank: int, world_size: int, lib: str, vpp: int | None, args: dict[str, Any]) -> dict[str, Any]:
+    """Worker: offloaded steps over the stub transport; the runtime's clock per step and, optionally, its breakdown."""
+    import ctypes
+
+    import cpu_transport_glue
+    import torch
+
+    from mcore_offload.runtime import cudart
+    from mcore_offload.runtime import transport as transport_module
+    from mcore_offload.runtime.manager import reset
+    from mcore_offload.summary import get_summary
+    from tests.harness.gpt import build_dense_gpt, init_parallel, run_steps
+
+    breakdown = None
+    if args["breakdown"]:
+        from runtime_breakdown import RuntimeBreakdown
+
+        breakdown = RuntimeBreakdown()
+        breakdown.install()
+    init_parallel(world_size, rank, pp=world_size, vpp=vpp)
+    reset()
+    rt = cudart.CudaRuntime(ctypes.CDLL(lib))
+    raw = cpu_transport_glue.stub_transport(rt, -1, native=True)
+    transport_module._TRANSPORTS[torch.device("cpu")] = raw
+    overrides = dict(fine_grained_activation_offloading=True, offload_modules=list(args["points"]),
+                     min_offloaded_tensor_size=512)
+    chunks = build_dense_gpt(num_layers=args["layers"], hidden_size=args["hidden"],
+                             num_attention_heads=4, config_overrides=overrides)
+    kw = dict(num_microbatches=args["microbatches"], seq_len=args["seq_len"], micro_batch_size=2, lr=0.01)
+    run_steps(chunks, n_steps=args["warmup"], **kw)
+    if breakdown is not None:
+        breakdown.recording = True
+    run_steps(chunks, n_steps=args["steps"], **kw)
+    if breakdown is not None:
+        breakdown.recording = False
+    steps = get_summary().steps[-args["steps"]:]
+    out: dict[str, Any] = {"runtime_ms": [s.runtime_cpu_ms for s in steps],
+                           "layer_microbatches": args["layers"] // world_size * args["microbatches"],
+                           # what moved: layouts that copy out more of their layers do more work per layer
+                           "offloaded_bytes": get_summary().last_step.total("offloaded")}
+    if breakdown is not None:
+        out["breakdown"] = breakdown.as_dict(args["steps"])
+    return out
+
+
+def measure(layout: str, lib: str, args: dict[str, Any]) -> list[dict[str, Any]]:
+    from tests.harness.multiproc import run_multiprocess
+
+    pp, vpp = LAYOUTS[layout]
+    return run_multiprocess(layout_job, pp, args=(lib, vpp, args), timeout_s=600)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--points", nargs="+", default=["qkv_linear", "core_attn", "attn_proj"])
+    p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    p.add_argument("--breakdown", action="store_true", help="time each runtime function (runtime_breakdown.py)")
+    p.add_argument("--top", type=int, default=25, help="breakdown rows to print")
+    p.add_argument("--json-out", default=None)
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if a.layers % 4:
+        raise SystemExit(f"--layers {a.layers}: give a multiple of 4, so that PP=2 x VPP=2 has whole chunks")
+
+    import cpu_transport_glue
+
+    args = {k: getattr(a, k) for k in ("layers", "microbatches", "hidden", "seq_len", "warmup", "steps", "points",
+                                      "breakdown")}
+    results: dict[str, Any] = {"args": args, "layouts": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        cpu_transport_glue.stub_runtime(Path(tmp), real_copies=True)
+        lib = str(next(Path(tmp).glob("libstubcudart*.so")))
+        for layout in a.layouts:
+            logger.info("layout %s: %d warm-up and %d measured steps ...", layout, a.warmup, a.steps)
+            results["layouts"][layout] = measure(layout, lib, args)
+    logger.info("%-8s %5s %12s %16s %18s %14s", "layout", "rank", "ms a step", "us a layer-mb",
+                "offloaded KiB", "us a MiB")
+    for layout, ranks in results["layouts"].items():
+        for rank, r in enumerate(ranks):
+            med = statistics.median(r["runtime_ms"])
+            r["median_ms"] = med
+            mib = r["offloaded_bytes"] / 2**20
+            logger.info("%-8s %5d %12.2f %16.1f %18.0f %14.1f", layout, rank, med, med * 1e3 / r["layer_microbatches"],
+                        mib * 1024, med * 1e3 / mib if mib else float("nan"))
+    if a.breakdown:
+        rows = {layout: ranks[0]["breakdown"]["functions"] for layout, ranks in results["layouts"].items()}
+        names = sorted({n for r in rows.values() for n in r},
+                       key=lambda n: -max(r.get(n, {}).get("us_per_step", 0) for r in rows.values()))
+        logger.info("rank 0, inclusive us a step (calls a step):")
+        logger.info("%-48s" + " %22s" * len(rows), "function", *rows)
+        for n in names[:a.top]:
+            cells = [f"{r[n]['us_per_step']:9.1f} ({r[n]['calls_per_step']:7.1f})" if n in r else "-" for r in
+                     rows.values()]
+            logger.info("%-48s" + " %22s" * len(rows), n, *cells)
+    if a.json_out:
+        Path(a.json_out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
