@@ -36,7 +36,7 @@ if str(BENCHMARKS) not in sys.path:  # the helper modules beside this script, al
 import pretrain_args  # noqa: E402
 from host_clock import HostClock  # noqa: E402
 from offload_stop import offload_stop_summary, release_after_offloading  # noqa: E402
-from run_info import native_accounting, peak_reader, versions  # noqa: E402
+from run_info import native_accounting, ours_results, peak_reader, versions  # noqa: E402
 from state_probes import take_probes  # noqa: E402
 
 # the caching allocator's layout after the last step (torch.cuda.memory_stats keys)
@@ -461,27 +461,7 @@ def main(argv=None) -> int:
         stats = torch.cuda.memory_stats()
         row["allocator_state"] = {key: stats.get(key) for key in ALLOCATOR_STATE}
     if ours:
-        from mcore_offload.summary import get_summary
-
-        get_summary().resolve_link(wait=True)  # after the last step: reading its timing events may sync
-        row["offload"] = get_summary().as_dict()
-        per_step = row["offload"]["per_step"]
-        for key in ("stall_ms", "d2h_GBps", "h2d_GBps", "runtime_cpu_ms"):
-            # the summary records offloading steps only: skip those of the warm-up
-            skip = args.warmup_steps if switch is not None else sum(on_steps[:args.warmup_steps])
-            if args.offload_first_steps is not None:  # a window's first two offloaded steps are its warm-up
-                skip = sum(on_steps[:max(args.warmup_steps, args.offload_from_step + 2)])
-            vals = [v for v in per_step[key][skip:] if v is not None]
-            row[key] = statistics.median(vals) if vals else None
-        row["host_bytes_at_peak"] = at_peak
-        if breakdown is not None:
-            breakdown.recording = False
-            row["runtime_breakdown"] = breakdown.as_dict(max(args.train_iters - args.warmup_steps, 1))
-        if audit is not None:
-            row["audit"] = audit.as_dict()
-            audit.close()
-        row["host_bytes_source"] = "ours: offloaded bytes off the device when the step-1 peak was reached"
-        logger.info("rank %d\n%s", rank, get_summary().table(rank))
+        row.update(ours_results(args, on_steps, switch is not None, at_peak, breakdown, audit, rank))
     elif args.fine_grained_activation_offloading:
         row.update(native_accounting())
     if syncs is not None:

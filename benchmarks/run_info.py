@@ -1,14 +1,19 @@
 """What ``pretrain_gpt.py`` records about a run besides its timings: the software versions, the allocator's peak
-reader, and upstream 0.16's own count of the bytes it offloaded.
+reader, upstream 0.16's own count of the bytes it offloaded, and our runtime's summary of the run.
 
 Benchmark tooling only: the library never imports this module.
 """
 
 from __future__ import annotations
 
+import logging
+import statistics
 import sys
+from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 def peak_reader(device: torch.device):
@@ -52,3 +57,32 @@ def versions() -> dict:
     except ImportError:
         pass
     return out
+
+
+def ours_results(args: Any, on_steps: list[bool], switching: bool, at_peak: int | None, breakdown: Any, audit: Any,
+                 rank: int) -> dict:
+    """Our runtime's part of a rank's row: its summary, the medians of its per-step figures over the counted
+    offloading steps, and the breakdown and audit where they ran (both are closed here)."""
+    from mcore_offload.summary import get_summary
+
+    summary = get_summary()
+    summary.resolve_link(wait=True)  # after the last step: reading its timing events may sync
+    row: dict[str, Any] = {"offload": summary.as_dict()}
+    per_step = row["offload"]["per_step"]
+    # the summary records offloading steps only: skip those of the warm-up (a switching run offloads every step)
+    skip = args.warmup_steps if switching else sum(on_steps[:args.warmup_steps])
+    if args.offload_first_steps is not None:  # a window's first two offloaded steps are its warm-up
+        skip = sum(on_steps[:max(args.warmup_steps, args.offload_from_step + 2)])
+    for key in ("stall_ms", "d2h_GBps", "h2d_GBps", "runtime_cpu_ms"):
+        vals = [v for v in per_step[key][skip:] if v is not None]
+        row[key] = statistics.median(vals) if vals else None
+    row["host_bytes_at_peak"] = at_peak
+    if breakdown is not None:
+        breakdown.recording = False
+        row["runtime_breakdown"] = breakdown.as_dict(max(args.train_iters - args.warmup_steps, 1))
+    if audit is not None:
+        row["audit"] = audit.as_dict()
+        audit.close()
+    row["host_bytes_source"] = "ours: offloaded bytes off the device when the step-1 peak was reached"
+    logger.info("rank %d\n%s", rank, summary.table(rank))
+    return row
