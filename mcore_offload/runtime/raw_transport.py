@@ -23,7 +23,7 @@ from mcore_offload.runtime.cudart import (
 from mcore_offload.runtime.host_pool import host_memory_kind
 from mcore_offload.runtime.native import load_native
 from mcore_offload.runtime.telemetry import LinkTelemetry
-from mcore_offload.runtime.transport import CudaTransport, _part_ends, _raw_current_stream_handle
+from mcore_offload.runtime.transport import CudaTransport, part_ends, raw_current_stream_handle
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +54,8 @@ class RawCudaTransport(CoalescedReloads, CudaTransport):
         # the C++ copy loop and reload allocations (runtime/native), or None: the Python ones (MCORE_OFFLOAD_NATIVE)
         self.native = load_native()
         self.coalesce = coalesce_reloads()
-        if _raw_current_stream_handle is not None:  # a C call with no Python frame (the C++ bursts call it too)
-            self._compute_handle = functools.partial(_raw_current_stream_handle, self.device_index)
+        if raw_current_stream_handle is not None:  # a C call with no Python frame (the C++ bursts call it too)
+            self._compute_handle = functools.partial(raw_current_stream_handle, self.device_index)
         self._slices_left: dict[int, int] = {}  # coalesced host buffer (address) -> its slices not yet released
         if runtime.memcpy_batch is not None and not self._batch_copy_works():
             runtime.memcpy_batch = None
@@ -152,7 +152,7 @@ class RawCudaTransport(CoalescedReloads, CudaTransport):
         rt = self.rt
         record, stream_wait = rt.event_record, rt.stream_wait
         h2d = self._h2d_handle
-        ends = sorted(_part_ends(parts, len(hosts))) if parts else [len(hosts)]
+        ends = sorted(part_ends(parts, len(hosts))) if parts else [len(hosts)]
         # Allocated on the compute stream, which is the stream that consumes and later frees them.
         copies = None  # per part: the (device blocks, host sources, sizes) of its copies, where coalesced
         if self.coalesce and self.native is not None:

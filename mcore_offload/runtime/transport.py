@@ -20,7 +20,7 @@ from mcore_offload.runtime.telemetry import LinkTelemetry
 
 _raw_set_stream = getattr(torch._C, "_cuda_setStream", None)
 _raw_current_stream = getattr(torch._C, "_cuda_getCurrentStream", None)  # (stream id, device index, type)
-_raw_current_stream_handle = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # the cudaStream_t
+raw_current_stream_handle = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # the cudaStream_t
 
 
 def _set_stream(stream: torch.cuda.Stream) -> None:
@@ -42,7 +42,7 @@ def copy_into_host(buf: torch.Tensor, storage: torch.UntypedStorage, non_blockin
         buf.copy_(as_bytes(storage), non_blocking=non_blocking)
 
 
-def _part_ends(parts: list[int] | None, n: int) -> set[int]:
+def part_ends(parts: list[int] | None, n: int) -> set[int]:
     """The copy counts after which a part of an ``n``-copy burst ends (``parts``: see :meth:`Transport.to_device`)."""
     if not parts:
         return {n}
@@ -175,8 +175,8 @@ class CudaTransport(Transport):
         return stream
 
     def _compute_handle(self) -> int:
-        if _raw_current_stream_handle is not None:
-            return _raw_current_stream_handle(self.device_index)
+        if raw_current_stream_handle is not None:
+            return raw_current_stream_handle(self.device_index)
         return self._current().cuda_stream
 
     def _done_event(self) -> torch.cuda.Event:
@@ -233,7 +233,7 @@ class CudaTransport(Transport):
                 h2d.wait_event(event)
                 waited = event
         start = self.telemetry.mark(h2d)
-        ends = _part_ends(parts, len(out))
+        ends = part_ends(parts, len(out))
         events = []
         _set_stream(h2d)
         try:

@@ -360,7 +360,7 @@ PyObject* module_to_device_burst(PyObject*, PyObject* args) {
     PyErr_SetString(PyExc_ValueError, "to_device_burst: one size and one D2H event per host buffer");
     return nullptr;
   }
-  // The copy counts after which each part ends (None or []: one part), as transport._part_ends checks them
+  // The copy counts after which each part ends (None or []: one part), as transport.part_ends checks them
   std::vector<Py_ssize_t> ends;
   if (parts != Py_None) {
     PyObject* seq = PySequence_Fast(parts, "to_device_burst: parts must be a list of counts");
