@@ -10,7 +10,13 @@ layer-microbatch (``summary.runtime_ns``, the figure ``pretrain_gpt.py`` reports
 cost, and it times the Python points' glue, so read its rows against each other, not against the clock):
 
     python benchmarks/cpu_pipeline_host.py [--layers 16] [--microbatches 8] [--steps 12] [--breakdown]
-        [--points qkv_linear core_attn attn_proj] [--json-out FILE]
+        [--points qkv_linear core_attn attn_proj] [--paired] [--min-size N] [--python-glue]
+        [--without pack-hooks node-hooks] [--json-out FILE]
+
+``--paired`` runs each measured offloaded step next to one inside ``mcore_offload.paused()`` and prints the step time
+offloading adds beside the runtime's clock: the difference is what the clock does not see (the autograd engine's
+calls into the saved-tensor and node hooks, the glue's own Python calls). ``--min-size`` above every activation
+(or ``--without``, which also takes parts of the Python glue away) leaves the points running with nothing to move.
 
 Rank 0 is the pipeline's first stage (the D rows' rank 0). Needs a C compiler (the stub is built on the fly).
 """
@@ -18,8 +24,10 @@ Rank 0 is the pipeline's first stage (the D rows' rank 0). Needs a C compiler (t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import os
 import statistics
 import sys
 import tempfile
@@ -49,6 +57,8 @@ def layout_job(rank: int, world_size: int, lib: str, vpp: int | None, args: dict
     from mcore_offload.summary import get_summary
     from tests.harness.gpt import build_dense_gpt, init_parallel, run_steps
 
+    if args["python_glue"] or args["without"]:
+        _python_glue_without(args["without"])
     breakdown = None
     if args["breakdown"]:
         from runtime_breakdown import RuntimeBreakdown
@@ -61,24 +71,73 @@ def layout_job(rank: int, world_size: int, lib: str, vpp: int | None, args: dict
     raw = cpu_transport_glue.stub_transport(rt, -1, native=True)
     transport_module._TRANSPORTS[torch.device("cpu")] = raw
     overrides = dict(fine_grained_activation_offloading=True, offload_modules=list(args["points"]),
-                     min_offloaded_tensor_size=512)
+                     min_offloaded_tensor_size=args["min_size"])
     chunks = build_dense_gpt(num_layers=args["layers"], hidden_size=args["hidden"],
                              num_attention_heads=4, config_overrides=overrides)
     kw = dict(num_microbatches=args["microbatches"], seq_len=args["seq_len"], micro_batch_size=2, lr=0.01)
     run_steps(chunks, n_steps=args["warmup"], **kw)
     if breakdown is not None:
         breakdown.recording = True
-    run_steps(chunks, n_steps=args["steps"], **kw)
+    out: dict[str, Any] = {}
+    if args["paired"]:
+        out["paired"] = paired_steps(chunks, args["steps"], kw)
+    else:
+        run_steps(chunks, n_steps=args["steps"], **kw)
     if breakdown is not None:
         breakdown.recording = False
-    steps = get_summary().steps[-args["steps"]:]
-    out: dict[str, Any] = {"runtime_ms": [s.runtime_cpu_ms for s in steps],
-                           "layer_microbatches": args["layers"] // world_size * args["microbatches"],
-                           # what moved: layouts that copy out more of their layers do more work per layer
-                           "offloaded_bytes": get_summary().last_step.total("offloaded")}
+    summary = get_summary()
+    steps = summary.steps[-args["steps"]:]  # only steps that offloaded something are recorded
+    out |= {"runtime_ms": [s.runtime_cpu_ms for s in steps] or [0.0],
+            "layer_microbatches": args["layers"] // world_size * args["microbatches"],
+            # what moved: layouts that copy out more of their layers do more work per layer
+            "offloaded_bytes": summary.last_step.total("offloaded") if summary.last_step is not None else 0}
     if breakdown is not None:
         out["breakdown"] = breakdown.as_dict(args["steps"])
     return out
+
+
+def _python_glue_without(parts: list[str]) -> None:
+    """The points' Python glue (``MCORE_OFFLOAD_NATIVE_POINTS=0``, read when the manager is made), less ``parts``:
+    ``pack-hooks`` (no saved-tensor hooks pushed) and ``node-hooks`` (no pre-hooks on autograd nodes). Only with
+    nothing to move (``--without`` sets the size threshold above every activation): what each costs a step where
+    the points run and nothing is offloaded."""
+    from mcore_offload.runtime import points
+
+    os.environ["MCORE_OFFLOAD_NATIVE_POINTS"] = "0"
+    if "pack-hooks" in parts:
+        points._push_hooks = lambda pack, unpack: None
+        points._pop_hooks = lambda: None
+    if "node-hooks" in parts:
+        points._hook_node = lambda tensor, manager, hook: True
+
+
+def paired_steps(chunks: list, n: int, kw: dict[str, Any]) -> dict[str, list[float]]:
+    """``n`` offloaded steps, each followed by one inside ``mcore_offload.paused()`` (the patches and the runtime in
+    place, nothing offloaded), timed on the wall clock: the offloaded step's extra time beside the runtime's own clock
+    says how much of it the clock sees (what it misses: the autograd engine's calls into the hooks, the allocator,
+    the model's own code running slower)."""
+    import time
+
+    import torch.distributed as dist
+
+    from mcore_offload import paused
+    from mcore_offload.summary import get_summary
+    from tests.harness.gpt import run_steps
+
+    summary = get_summary()
+    on, off, clock = [], [], []
+    for _ in range(n):
+        for times, ctx in ((on, contextlib.nullcontext), (off, paused)):
+            dist.barrier()  # every rank starts the step together: a rank's time is then its own and its waits
+            records, ns = len(summary.steps), summary.runtime_ns
+            t0 = time.perf_counter()
+            with ctx():
+                run_steps(chunks, n_steps=1, **kw)
+            times.append((time.perf_counter() - t0) * 1e3)
+            if times is on:  # a step that offloaded nothing leaves no record, and its clock runs on
+                clock.append(summary.steps[-1].runtime_cpu_ms if len(summary.steps) > records
+                             else (summary.runtime_ns - ns) / 1e6)
+    return {"on_ms": on, "off_ms": off, "clock_ms": clock}
 
 
 def measure(layout: str, lib: str, args: dict[str, Any]) -> list[dict[str, Any]]:
@@ -99,6 +158,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--points", nargs="+", default=["qkv_linear", "core_attn", "attn_proj"])
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     p.add_argument("--breakdown", action="store_true", help="time each runtime function (runtime_breakdown.py)")
+    p.add_argument("--min-size", type=int, default=512,
+                   help="min_offloaded_tensor_size (elements); above every activation, the points and hooks run and "
+                        "nothing moves")
+    p.add_argument("--python-glue", action="store_true", help="the points' Python glue (MCORE_OFFLOAD_NATIVE_POINTS=0)")
+    p.add_argument("--without", nargs="+", default=[], choices=["pack-hooks", "node-hooks"],
+                   help="the Python glue without these, and nothing to move (sets --min-size above every "
+                        "activation): what each costs a step")
+    p.add_argument("--paired", action="store_true",
+                   help="each offloaded step followed by a paused one (nothing offloaded): the step time offloading "
+                        "adds, beside the runtime's own clock")
     p.add_argument("--top", type=int, default=25, help="breakdown rows to print")
     p.add_argument("--json-out", default=None)
     a = p.parse_args(argv)
@@ -108,8 +177,10 @@ def main(argv: list[str] | None = None) -> None:
 
     import cpu_transport_glue
 
+    if a.without:
+        a.min_size = 2**40
     args = {k: getattr(a, k) for k in ("layers", "microbatches", "hidden", "seq_len", "warmup", "steps", "points",
-                                      "breakdown")}
+                                      "breakdown", "paired", "min_size", "python_glue", "without")}
     results: dict[str, Any] = {"args": args, "layouts": {}}
     with tempfile.TemporaryDirectory() as tmp:
         cpu_transport_glue.stub_runtime(Path(tmp), real_copies=True)
@@ -126,6 +197,15 @@ def main(argv: list[str] | None = None) -> None:
             mib = r["offloaded_bytes"] / 2**20
             logger.info("%-8s %5d %12.2f %16.1f %18.0f %14.1f", layout, rank, med, med * 1e3 / r["layer_microbatches"],
                         mib * 1024, med * 1e3 / mib if mib else float("nan"))
+    if a.paired:
+        logger.info("%-8s %5s %16s %16s %16s %14s", "layout", "rank", "on ms (median)", "off ms (median)",
+                    "added ms (med.)", "runtime clock")
+        for layout, ranks in results["layouts"].items():
+            for rank, r in enumerate(ranks):
+                on, off = r["paired"]["on_ms"], r["paired"]["off_ms"]
+                r["added_ms_median"] = statistics.median(x - y for x, y in zip(on, off))
+                logger.info("%-8s %5d %16.2f %16.2f %16.2f %14.2f", layout, rank, statistics.median(on),
+                            statistics.median(off), r["added_ms_median"], statistics.median(r["paired"]["clock_ms"]))
     if a.breakdown:
         rows = {layout: ranks[0]["breakdown"]["functions"] for layout, ranks in results["layouts"].items()}
         names = sorted({n for r in rows.values() for n in r},

@@ -344,3 +344,21 @@ def test_cpu_pipeline_host_clocks_both_layouts_and_counts_each_chunks_forward(tm
              for ranks in layouts.values()]
     assert calls == [2.0, 4.0]
     assert "us a layer-mb" in proc.stderr
+
+
+def test_cpu_pipeline_host_paired_steps_without_the_pack_hooks_move_nothing(tmp_path):
+    """--paired: each offloaded step beside a paused one; --without: the Python glue less a part, nothing moved."""
+    _need_stub_compiler()
+    out = tmp_path / "paired.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_pipeline_host.py"), "--layers", "4",
+                           "--microbatches", "2", "--warmup", "1", "--steps", "2", "--layouts", "pp1", "--paired",
+                           "--without", "pack-hooks", "--json-out", str(out)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["args"]["min_size"] == 2**40 and result["args"]["without"] == ["pack-hooks"]
+    (rank0,) = result["layouts"]["pp1"]
+    paired = rank0["paired"]
+    assert len(paired["on_ms"]) == len(paired["off_ms"]) == len(paired["clock_ms"]) == 2
+    assert rank0["offloaded_bytes"] == 0 and min(paired["clock_ms"]) > 0  # the points ran, nothing moved
+    assert "added ms" in proc.stderr
