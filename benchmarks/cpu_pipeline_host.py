@@ -87,7 +87,7 @@ def layout_job(rank: int, world_size: int, lib: str, vpp: int | None, args: dict
         breakdown.recording = False
     summary = get_summary()
     steps = summary.steps[-args["steps"]:]  # only steps that offloaded something are recorded
-    out |= {"runtime_ms": [s.runtime_cpu_ms for s in steps] or [0.0],
+    out |= {"runtime_ms": [s.runtime_cpu_ms for s in steps],  # empty where nothing moved (--paired clocks those)
             "layer_microbatches": args["layers"] // world_size * args["microbatches"],
             # what moved: layouts that copy out more of their layers do more work per layer
             "offloaded_bytes": summary.last_step.total("offloaded") if summary.last_step is not None else 0}
@@ -192,8 +192,8 @@ def main(argv: list[str] | None = None) -> None:
                 "offloaded KiB", "us a MiB")
     for layout, ranks in results["layouts"].items():
         for rank, r in enumerate(ranks):
-            med = statistics.median(r["runtime_ms"])
-            r["median_ms"] = med
+            r["median_ms"] = statistics.median(r["runtime_ms"]) if r["runtime_ms"] else None
+            med = float("nan") if r["median_ms"] is None else r["median_ms"]
             mib = r["offloaded_bytes"] / 2**20
             logger.info("%-8s %5d %12.2f %16.1f %18.0f %14.1f", layout, rank, med, med * 1e3 / r["layer_microbatches"],
                         mib * 1024, med * 1e3 / mib if mib else float("nan"))
