@@ -88,7 +88,9 @@ class OffloadManager:
 
     def __init__(self) -> None:
         self.summary = OffloadSummary()
-        self._announced: set[str] = set()
+        # the points whose "saved nothing to offload" line was logged: once per point, so the points' exits skip
+        # the line's arguments after that (a fused norm with the TE spec saves nothing at every layer)
+        self.announced_points: set[str] = set()
         self.auto: AutoPlanner | None = None  # offload_modules=["auto"...]: probe, then a plan
         # Opt-in audit (tests, ``pretrain_gpt.py --audit-offloaded``): set to a list and every offloaded
         # storage appends (device address, bytes); the caller checks them against what must stay.
@@ -275,8 +277,8 @@ class OffloadManager:
 
     def point_saved_nothing(self, name: str, rejected: dict[str, int]) -> None:
         """Point ``name``'s block ended without a tensor to offload (``rejected``: why its saved tensors stay)."""
-        if name not in self._announced:
-            self._announced.add(name)
+        if name not in self.announced_points:
+            self.announced_points.add(name)
             why = ", ".join(f"{n} {r}" for r, n in sorted(rejected.items())) or "none saved"
             logger.info(
                 "offload point %s saved no tensor that can be offloaded here (%s); with the "

@@ -274,7 +274,7 @@ class _OffloadBlock:
         if exc_type is None:  # a block that raised leaves its group uncommitted (finish() cuts it loose)
             group = self.group
             self.manager.open_groups[self.name] = (self.handler, group)
-            if len(group.refs) == self.refs_before:
+            if len(group.refs) == self.refs_before and self.name not in self.manager.announced_points:
                 _saved_nothing(self.manager, self.name, group, self.rejected_before, self.parameters_before)
         self.manager.summary.runtime_ns += perf_counter_ns() - t0
 

@@ -45,6 +45,7 @@ PyObject* s_points;
 PyObject* s_refs;
 PyObject* s_rejected;
 PyObject* s_open_groups;
+PyObject* s_announced_points;
 PyObject* s_chaining;
 PyObject* s_on_group_commit_forward;
 PyObject* s_push_hooks;
@@ -253,7 +254,13 @@ PyObject* block_exit(PyObject* obj, PyObject* args) {
     Ref refs(PyObject_GetAttr(self->group, s_refs));
     Py_ssize_t n = refs ? PyObject_Length(refs.get()) : -1;
     if (n < 0) return nullptr;
-    if (n == self->refs_before) {
+    int announced = 0;
+    if (n == self->refs_before) {  // the point's log line is written once: after that, nothing to build
+      Ref points(PyObject_GetAttr(self->manager, s_announced_points));
+      announced = points ? PySequence_Contains(points.get(), self->name) : -1;
+      if (announced < 0) return nullptr;
+    }
+    if (n == self->refs_before && !announced) {
       Ref before(self->rejected_before != nullptr ? (Py_INCREF(self->rejected_before), self->rejected_before)
                                                   : PyDict_New());
       Ref parameters(before ? PyLong_FromLongLong(self->parameters_before) : nullptr);
@@ -437,7 +444,8 @@ bool point_types_ready(PyObject* module) {
       {&s_config, "config"}, {&s_auto, "auto"}, {&s_enabled_points, "enabled_points"}, {&s_chain, "chain"},
       {&s_close_chain, "close_chain"}, {&s_open_group, "open_group"}, {&s_node_hooks, "node_hooks"},
       {&s_points, "points"}, {&s_refs, "refs"}, {&s_rejected, "rejected"}, {&s_open_groups, "open_groups"},
-      {&s_chaining, "chaining"}, {&s_on_group_commit_forward, "on_group_commit_forward"},
+      {&s_announced_points, "announced_points"}, {&s_chaining, "chaining"},
+      {&s_on_group_commit_forward, "on_group_commit_forward"},
       {&s_push_hooks, "_push_hooks"}, {&s_pop_hooks, "_pop_hooks"}};
   if (!intern_names(names, sizeof(names) / sizeof(names[0]))) return false;
   BlockType.tp_name = "mcore_offload_native.Block";
