@@ -362,3 +362,20 @@ def test_cpu_pipeline_host_paired_steps_without_the_pack_hooks_move_nothing(tmp_
     assert len(paired["on_ms"]) == len(paired["off_ms"]) == len(paired["clock_ms"]) == 2
     assert rank0["offloaded_bytes"] == 0 and min(paired["clock_ms"]) > 0  # the points ran, nothing moved
     assert "added ms" in proc.stderr
+
+
+def test_cpu_glue_instructions_groups_callgrind_self_counts_by_shared_object():
+    import cpu_glue_instructions
+
+    annotate = """--------------------------------------------------------------------------------
+1,500 (100.0%)  PROGRAM TOTALS
+--------------------------------------------------------------------------------
+  700 (46.67%)  /tmp/Python-3.11.7/Objects/dictobject.c:_Py_dict_lookup [/usr/lib/libpython3.11.so.1.0]
+  300 (20.00%)  /tmp/Python-3.11.7/Python/ceval.c:_PyEval_EvalFrameDefault
+  200 (13.33%)  ???:mco::packer_pack(mco::Packer*, _object*) [/c/mcore_offload_hooks_0123456789ab.so]
+  100 ( 6.67%)  ???:mco::add_runtime(_object*, long) [/c/mcore_offload_hooks_0123456789ab.so]
+  200 (13.33%)  ???:0x0000000004936718
+"""
+    got = cpu_glue_instructions.by_object(annotate)
+    # the build's hash is dropped, so that two builds' counts add up under one name; the totals line is skipped
+    assert got == {"libpython3.11.so.1.0": 700, "libpython (inlined)": 300, "mcore_offload_hooks.so": 300, "?": 200}
