@@ -254,20 +254,19 @@ PyObject* block_exit(PyObject* obj, PyObject* args) {
     Ref refs(PyObject_GetAttr(self->group, s_refs));
     Py_ssize_t n = refs ? PyObject_Length(refs.get()) : -1;
     if (n < 0) return nullptr;
-    int announced = 0;
-    if (n == self->refs_before) {  // the point's log line is written once: after that, nothing to build
-      Ref points(PyObject_GetAttr(self->manager, s_announced_points));
-      announced = points ? PySequence_Contains(points.get(), self->name) : -1;
-      if (announced < 0) return nullptr;
-    }
-    if (n == self->refs_before && !announced) {
-      Ref before(self->rejected_before != nullptr ? (Py_INCREF(self->rejected_before), self->rejected_before)
-                                                  : PyDict_New());
-      Ref parameters(before ? PyLong_FromLongLong(self->parameters_before) : nullptr);
-      Ref r(parameters ? PyObject_CallFunctionObjArgs(g_calls.saved_nothing, self->manager, self->name, self->group,
-                                                      before.get(), parameters.get(), nullptr)
-                       : nullptr);
-      if (!r) return nullptr;
+    if (n == self->refs_before) {  // saved nothing to offload: its log line, written once (then nothing to build)
+      Ref announced(PyObject_GetAttr(self->manager, s_announced_points));
+      int known = announced ? PySequence_Contains(announced.get(), self->name) : -1;
+      if (known < 0) return nullptr;
+      if (!known) {
+        Ref before(self->rejected_before != nullptr ? (Py_INCREF(self->rejected_before), self->rejected_before)
+                                                    : PyDict_New());
+        Ref parameters(before ? PyLong_FromLongLong(self->parameters_before) : nullptr);
+        Ref r(parameters ? PyObject_CallFunctionObjArgs(g_calls.saved_nothing, self->manager, self->name,
+                                                        self->group, before.get(), parameters.get(), nullptr)
+                         : nullptr);
+        if (!r) return nullptr;
+      }
     }
   }
   if (add_manager_runtime(self->manager, now_ns() - t0) < 0) return nullptr;
