@@ -47,26 +47,16 @@ def worker(mode: str, toggle: str, args: argparse.Namespace) -> None:
 
     sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
     import cpu_transport_glue
-    import torch
+    from cpu_pipeline_host import stub_gpt
 
     from mcore_offload import paused
-    from mcore_offload.runtime import cudart
-    from mcore_offload.runtime import transport as transport_module
-    from mcore_offload.runtime.manager import reset
-    from tests.harness.gpt import build_dense_gpt, init_parallel, run_steps
+    from tests.harness.gpt import run_steps
 
     lib = ctypes.CDLL(toggle)
-    init_parallel(1, 0)
-    reset()
     with tempfile.TemporaryDirectory() as tmp:
         cpu_transport_glue.stub_runtime(Path(tmp), real_copies=True)
-        rt = cudart.CudaRuntime(ctypes.CDLL(str(next(Path(tmp).glob("libstubcudart*.so")))))
-        transport_module._TRANSPORTS[torch.device("cpu")] = cpu_transport_glue.stub_transport(rt, -1, native=True)
-        overrides = dict(fine_grained_activation_offloading=True, offload_modules=POINTS,
-                         min_offloaded_tensor_size=args.min_size)
-        chunks = build_dense_gpt(num_layers=args.layers, hidden_size=64, num_attention_heads=4,
-                                 config_overrides=overrides)
-        kw = dict(num_microbatches=args.microbatches, seq_len=32, micro_batch_size=2, lr=0.01)
+        stub = str(next(Path(tmp).glob("libstubcudart*.so")))
+        chunks, kw = stub_gpt(stub, 1, 0, None, POINTS, args.min_size, args.layers, args.microbatches)
         run_steps(chunks, n_steps=2, **kw)  # the first offloading steps allocate and announce
         with contextlib.nullcontext() if mode == "on" else paused():
             run_steps(chunks, n_steps=1, **kw)

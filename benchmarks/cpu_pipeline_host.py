@@ -44,8 +44,10 @@ logger = logging.getLogger("cpu_pipeline_host")
 LAYOUTS = {"pp1": (1, None), "pp2vpp2": (2, 2)}
 
 
-def layout_job(rank: int, world_size: int, lib: str, vpp: int | None, args: dict[str, Any]) -> dict[str, Any]:
-    """Worker: offloaded steps over the stub transport; the runtime's clock per step and, optionally, its breakdown."""
+def stub_gpt(lib: str, world_size: int, rank: int, vpp: int | None, points: list[str], min_size: int, layers: int,
+             microbatches: int, hidden: int = 64, seq_len: int = 32) -> tuple[list, dict[str, Any]]:
+    """The tests' tiny dense GPT with ``points`` offloading over the stub CUDA runtime ``lib`` (its transport as the
+    CPU's), in a fresh runtime; returns the model chunks and ``run_steps``' keyword arguments."""
     import ctypes
 
     import cpu_transport_glue
@@ -54,8 +56,22 @@ def layout_job(rank: int, world_size: int, lib: str, vpp: int | None, args: dict
     from mcore_offload.runtime import cudart
     from mcore_offload.runtime import transport as transport_module
     from mcore_offload.runtime.manager import reset
+    from tests.harness.gpt import build_dense_gpt, init_parallel
+
+    init_parallel(world_size, rank, pp=world_size, vpp=vpp)
+    reset()
+    rt = cudart.CudaRuntime(ctypes.CDLL(lib))
+    transport_module._TRANSPORTS[torch.device("cpu")] = cpu_transport_glue.stub_transport(rt, -1, native=True)
+    overrides = dict(fine_grained_activation_offloading=True, offload_modules=list(points),
+                     min_offloaded_tensor_size=min_size)
+    chunks = build_dense_gpt(num_layers=layers, hidden_size=hidden, num_attention_heads=4, config_overrides=overrides)
+    return chunks, dict(num_microbatches=microbatches, seq_len=seq_len, micro_batch_size=2, lr=0.01)
+
+
+def layout_job(rank: int, world_size: int, lib: str, vpp: int | None, args: dict[str, Any]) -> dict[str, Any]:
+    """Worker: offloaded steps over the stub transport; the runtime's clock per step and, optionally, its breakdown."""
     from mcore_offload.summary import get_summary
-    from tests.harness.gpt import build_dense_gpt, init_parallel, run_steps
+    from tests.harness.gpt import run_steps
 
     if args["python_glue"] or args["without"]:
         _python_glue_without(args["without"])
@@ -65,16 +81,8 @@ def layout_job(rank: int, world_size: int, lib: str, vpp: int | None, args: dict
 
         breakdown = RuntimeBreakdown()
         breakdown.install()
-    init_parallel(world_size, rank, pp=world_size, vpp=vpp)
-    reset()
-    rt = cudart.CudaRuntime(ctypes.CDLL(lib))
-    raw = cpu_transport_glue.stub_transport(rt, -1, native=True)
-    transport_module._TRANSPORTS[torch.device("cpu")] = raw
-    overrides = dict(fine_grained_activation_offloading=True, offload_modules=list(args["points"]),
-                     min_offloaded_tensor_size=args["min_size"])
-    chunks = build_dense_gpt(num_layers=args["layers"], hidden_size=args["hidden"],
-                             num_attention_heads=4, config_overrides=overrides)
-    kw = dict(num_microbatches=args["microbatches"], seq_len=args["seq_len"], micro_batch_size=2, lr=0.01)
+    chunks, kw = stub_gpt(lib, world_size, rank, vpp, args["points"], args["min_size"], args["layers"],
+                          args["microbatches"], args["hidden"], args["seq_len"])
     run_steps(chunks, n_steps=args["warmup"], **kw)
     if breakdown is not None:
         breakdown.recording = True
