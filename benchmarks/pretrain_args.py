@@ -47,6 +47,10 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     a("--audit-offloaded", action="store_true",
       help="after every step, check in bytes that no offloaded storage was a parameter, main_grad or TE FP8 "
            "weight workspace (ours only; JSON field 'audit')")
+    a("--without-pack-hooks", action="store_true",
+      help="ours: the offload points never push their saved-tensor hooks, so nothing is packed and nothing moves; "
+           "the points, groups and node hooks still run (what PyTorch's dispatch of the pack and unpack hooks "
+           "costs: against a run with --min-offloaded-tensor-size above every tensor)")
     a("--train-iters", type=int, default=10)
     a("--warmup-steps", type=int, default=2, help="steps left out of the step-time median")
     a("--log-interval", type=int, default=1)
@@ -148,6 +152,9 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     if args.offload_from_step and (args.offload_first_steps is None
                                    or not 0 <= args.offload_from_step < args.offload_first_steps):
         p.error("--offload-from-step S starts the offloaded steps S..K-1: add --offload-first-steps K with K > S >= 0")
+    if args.without_pack_hooks and not args.fine_grained_activation_offloading:
+        p.error("--without-pack-hooks runs our offload points without their saved-tensor hooks: add "
+                "--fine-grained-activation-offloading --offload-modules ...")
     if args.touch_transport and not args.offload_paused:
         p.error("--touch-transport makes our transport without offloading: add --offload-paused (and "
                 "--fine-grained-activation-offloading --offload-modules ...)")

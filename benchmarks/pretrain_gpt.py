@@ -207,6 +207,16 @@ def forward_step(data_iterator, model):
     return out, partial(loss_func, b["loss_mask"])
 
 
+def without_pack_hooks() -> None:
+    """--without-pack-hooks: the points' saved-tensor hooks are never pushed. Both glues (points.py and the C++
+    block) push and pop them through ``points._push_hooks`` / ``_pop_hooks``, read at each use, so replacing those
+    leaves every other part of a point in place: the group, the start and commit node hooks, the commit."""
+    from mcore_offload.runtime import points
+
+    points._push_hooks = lambda pack, unpack: None
+    points._pop_hooks = lambda: None
+
+
 def main(argv=None) -> int:
     from step_profiling import GcClock, annotate_offload_runtime, start_cprofile, stop_cprofile, write_profile
 
@@ -234,6 +244,8 @@ def main(argv=None) -> int:
         import mcore_offload
 
         mcore_offload.ensure_patched()
+        if args.without_pack_hooks:
+            without_pack_hooks()
     alternate = args.alternate_offload or bool(args.host_delay_us) or bool(args.dma_load_mib) \
         or bool(args.alternate_runtime)
     switch = None  # --alternate-runtime: our runtime's settings, switched between steps
@@ -446,6 +458,7 @@ def main(argv=None) -> int:
         "allocator_per_step": allocator if cuda else None,
         "state_probes": {"spare_streams": args.spare_streams, "pin_host_gib": args.pin_host_gib,
                          "touch_transport": args.touch_transport, "touch_transport_step": args.touch_transport_step},
+        "without_pack_hooks": args.without_pack_hooks,
         "cpu_bind": args.cpu_bind, "cpus": getattr(args, "cpus", None), "loadavg": os.getloadavg(),
         "gc_ms": gc_clock.per_step, "gc_collections": gc_clock.collections,
         "gc_ms_median": statistics.median(gc_clock.per_step[args.warmup_steps:] or gc_clock.per_step),

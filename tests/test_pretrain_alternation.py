@@ -168,3 +168,18 @@ def test_pretrain_gpt_dma_load_refuses_other_alternations_and_offloading(extra, 
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pretrain_gpt.py"), "--dma-load-mib", "1", "1",
                            *extra], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and says in proc.stderr
+
+
+@pytest.mark.multiproc
+def test_pretrain_gpt_without_pack_hooks_runs_the_points_and_moves_nothing(tmp_path):
+    """--without-pack-hooks: the points run without their saved-tensor hooks, so nothing is packed or moved and the
+    loss is the baseline's; the row says so. Without offloading it is an error."""
+    base, ours = tiny_base_and_ours(tmp_path, 29651, ["--train-iters", "3", "--warmup-steps", "1"],
+                                    ["core_attn", "--without-pack-hooks"])
+    assert ours["loss_hex"] == base["loss_hex"]
+    assert ours["without_pack_hooks"] is True and base["without_pack_hooks"] is False
+    # with its hooks, core_attn offloads in every step of this run (the alternation tests above): here no step did
+    assert ours["offload"]["steps"] == 0 and ours["offload"]["host_buffer_allocations"] == 0
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pretrain_gpt.py"), "--without-pack-hooks"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--without-pack-hooks runs our offload points" in proc.stderr
