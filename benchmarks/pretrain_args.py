@@ -51,6 +51,10 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
       help="ours: the offload points never push their saved-tensor hooks, so nothing is packed and nothing moves; "
            "the points, groups and node hooks still run (what PyTorch's dispatch of the pack and unpack hooks "
            "costs: against a run with --min-offloaded-tensor-size above every tensor)")
+    a("--without-node-hooks", action="store_true",
+      help="ours: the offload points hook no autograd node (no group start or commit hook, no identity node), so "
+           "backward never reloads a group; only with --min-offloaded-tensor-size above every tensor (nothing "
+           "moves): what the node hooks cost")
     a("--train-iters", type=int, default=10)
     a("--warmup-steps", type=int, default=2, help="steps left out of the step-time median")
     a("--log-interval", type=int, default=1)
@@ -155,6 +159,11 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     if args.without_pack_hooks and not args.fine_grained_activation_offloading:
         p.error("--without-pack-hooks runs our offload points without their saved-tensor hooks: add "
                 "--fine-grained-activation-offloading --offload-modules ...")
+    if args.without_node_hooks and (not args.fine_grained_activation_offloading
+                                    or args.min_offloaded_tensor_size < 10**12):
+        p.error("--without-node-hooks leaves offloaded groups without their reloads: use it with "
+                "--fine-grained-activation-offloading --offload-modules ... and --min-offloaded-tensor-size "
+                "1000000000000 or more, so that nothing moves")
     if args.touch_transport and not args.offload_paused:
         p.error("--touch-transport makes our transport without offloading: add --offload-paused (and "
                 "--fine-grained-activation-offloading --offload-modules ...)")

@@ -217,6 +217,23 @@ def without_pack_hooks() -> None:
     points._pop_hooks = lambda: None
 
 
+def without_node_hooks() -> None:
+    """--without-node-hooks: no group start or commit hook on any autograd node. ``MCORE_OFFLOAD_NODE_HOOKS=0``
+    (read when the manager is made, before the first forward) sends both glues to the identity nodes, which become
+    plain identities here; the commit still queues its group. Nothing may move in such a run: no commit hook means
+    no reload."""
+    from mcore_offload.runtime import points
+
+    os.environ["MCORE_OFFLOAD_NODE_HOOKS"] = "0"
+
+    def commit_without_node(tensor, handler, group):
+        handler.on_group_commit_forward(group)
+        return tensor
+
+    points._start = lambda tensor, handler, group: tensor
+    points._commit_node = commit_without_node
+
+
 def main(argv=None) -> int:
     from step_profiling import GcClock, annotate_offload_runtime, start_cprofile, stop_cprofile, write_profile
 
@@ -246,6 +263,8 @@ def main(argv=None) -> int:
         mcore_offload.ensure_patched()
         if args.without_pack_hooks:
             without_pack_hooks()
+        if args.without_node_hooks:
+            without_node_hooks()
     alternate = args.alternate_offload or bool(args.host_delay_us) or bool(args.dma_load_mib) \
         or bool(args.alternate_runtime)
     switch = None  # --alternate-runtime: our runtime's settings, switched between steps
@@ -458,7 +477,7 @@ def main(argv=None) -> int:
         "allocator_per_step": allocator if cuda else None,
         "state_probes": {"spare_streams": args.spare_streams, "pin_host_gib": args.pin_host_gib,
                          "touch_transport": args.touch_transport, "touch_transport_step": args.touch_transport_step},
-        "without_pack_hooks": args.without_pack_hooks,
+        "without_pack_hooks": args.without_pack_hooks, "without_node_hooks": args.without_node_hooks,
         "cpu_bind": args.cpu_bind, "cpus": getattr(args, "cpus", None), "loadavg": os.getloadavg(),
         "gc_ms": gc_clock.per_step, "gc_collections": gc_clock.collections,
         "gc_ms_median": statistics.median(gc_clock.per_step[args.warmup_steps:] or gc_clock.per_step),

@@ -4,6 +4,7 @@ each keeps the loss and reports what its JSON promises. Moved out of test_benchm
 
 from __future__ import annotations
 
+import os
 import statistics
 import subprocess
 import sys
@@ -183,3 +184,41 @@ def test_pretrain_gpt_without_pack_hooks_runs_the_points_and_moves_nothing(tmp_p
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pretrain_gpt.py"), "--without-pack-hooks"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "--without-pack-hooks runs our offload points" in proc.stderr
+
+
+@pytest.mark.multiproc
+def test_pretrain_gpt_without_node_hooks_keeps_the_loss_and_needs_nothing_to_move(tmp_path):
+    """--without-node-hooks (with nothing large enough to move): the baseline's loss, nothing offloaded; with tensors
+    that would move it is an error, since no group would be reloaded."""
+    big = ["--min-offloaded-tensor-size", "1000000000000"]
+    base, ours = tiny_base_and_ours(tmp_path, 29655, ["--train-iters", "3", "--warmup-steps", "1"],
+                                    ["core_attn", "--without-node-hooks", "--without-pack-hooks", *big])
+    assert ours["loss_hex"] == base["loss_hex"]
+    assert ours["without_node_hooks"] is True and ours["offload"]["steps"] == 0
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pretrain_gpt.py"), "--without-node-hooks",
+                           "--fine-grained-activation-offloading", "--offload-modules", "core_attn"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--without-node-hooks leaves offloaded groups without their reloads" in proc.stderr
+
+
+def test_without_node_hooks_sends_the_points_to_plain_identities(monkeypatch):
+    """What --without-node-hooks changes: the runtime's own switch (MCORE_OFFLOAD_NODE_HOOKS=0, read when the
+    manager is made) and identity nodes that are plain identities; the commit still queues its group."""
+    import pretrain_gpt
+
+    from mcore_offload.runtime import points
+
+    monkeypatch.setattr(points, "_start", points._start)
+    monkeypatch.setattr(points, "_commit_node", points._commit_node)
+    monkeypatch.setenv("MCORE_OFFLOAD_NODE_HOOKS", "1")
+    pretrain_gpt.without_node_hooks()
+    assert os.environ["MCORE_OFFLOAD_NODE_HOOKS"] == "0"
+    queued = []
+
+    class Handler:
+        def on_group_commit_forward(self, group):
+            queued.append(group)
+
+    t = object()
+    assert points._start(t, Handler(), "g") is t
+    assert points._commit_node(t, Handler(), "g") is t and queued == ["g"]

@@ -49,7 +49,7 @@
 #    megatron-core 0.16.1 (NATIVE_TREE), its native offloading; alt_NAME@native alternates it too. "all5_hooks": the
 #    five MoE points with nothing large enough to move (hooks_only for CONFIG=C); "attn_hooks" the same for the
 #    attention set; "attn_nopack" that again without the saved-tensor hooks (--without-pack-hooks: what their
-#    dispatch costs). EXTRA: more pretrain_gpt.py flags
+#    dispatch costs), "attn_nonode" without the node hooks (--without-node-hooks), "attn_bare" without both. EXTRA: more pretrain_gpt.py flags
 #    for every run (EXTRA=--peak-trace: what was live at step 1's peak, benchmarks/peak_trace.py).
 # The summary's "loss equal" compares each run's last rank (the pipeline's last stage) with the baseline's; its
 # "slow / fast third" line sets the run's slowest third of steps against its fastest by each host counter
@@ -130,6 +130,8 @@ for rep in $(seq 1 "${REPS:-2}"); do
         attn_hooks) flags="--fine-grained-activation-offloading --offload-modules qkv_linear core_attn attn_proj --min-offloaded-tensor-size 1000000000000" ;;
         all5_hooks) flags="--fine-grained-activation-offloading --offload-modules qkv_linear core_attn attn_proj expert_fc1 moe_act --min-offloaded-tensor-size 1000000000000" ;;
         attn_nopack) flags="--fine-grained-activation-offloading --offload-modules qkv_linear core_attn attn_proj --min-offloaded-tensor-size 1000000000000 --without-pack-hooks" ;;
+        attn_nonode) flags="--fine-grained-activation-offloading --offload-modules qkv_linear core_attn attn_proj --min-offloaded-tensor-size 1000000000000 --without-node-hooks" ;;
+        attn_bare) flags="--fine-grained-activation-offloading --offload-modules qkv_linear core_attn attn_proj --min-offloaded-tensor-size 1000000000000 --without-pack-hooks --without-node-hooks" ;;
         breakdown) flags="$OFF --runtime-breakdown" ;;
         experts_breakdown) flags="--fine-grained-activation-offloading --offload-modules expert_fc1 moe_act --runtime-breakdown" ;;
         delayfwd) flags="--host-delay-us ${DELAY_US:-500} 0 --alternate-period ${ALT_PERIOD:-2}" ;;
