@@ -268,6 +268,9 @@ def main(argv=None) -> int:
     alternate = args.alternate_offload or bool(args.host_delay_us) or bool(args.dma_load_mib) \
         or bool(args.alternate_runtime)
     switch = None  # --alternate-runtime: our runtime's settings, switched between steps
+    if (args.without_pack_hooks or args.without_node_hooks) and not ours:
+        raise SystemExit("--without-pack-hooks and --without-node-hooks take parts of mcore_offload's points away: "
+                         "run them on megatron-core 0.15 with our patches")
     if args.offload_paused and not ours:
         raise SystemExit("--offload-paused idles mcore_offload's runtime: run it on megatron-core 0.15 with our "
                          "patches")
@@ -494,6 +497,9 @@ def main(argv=None) -> int:
         row["allocator_state"] = {key: stats.get(key) for key in ALLOCATOR_STATE}
     if ours:
         row.update(ours_results(args, on_steps, switch is not None, at_peak, breakdown, audit, rank))
+        from mcore_offload.runtime.manager import get_manager
+
+        row["node_hooks"] = get_manager().node_hooks  # what the runtime used (False: --without-node-hooks)
     elif args.fine_grained_activation_offloading:
         row.update(native_accounting())
     if syncs is not None:

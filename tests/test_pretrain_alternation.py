@@ -179,6 +179,7 @@ def test_pretrain_gpt_without_pack_hooks_runs_the_points_and_moves_nothing(tmp_p
                                     ["core_attn", "--without-pack-hooks"])
     assert ours["loss_hex"] == base["loss_hex"]
     assert ours["without_pack_hooks"] is True and base["without_pack_hooks"] is False
+    assert ours["node_hooks"] is True and "node_hooks" not in base
     # with its hooks, core_attn offloads in every step of this run (the alternation tests above): here no step did
     assert ours["offload"]["steps"] == 0 and ours["offload"]["host_buffer_allocations"] == 0
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pretrain_gpt.py"), "--without-pack-hooks"],
@@ -195,6 +196,7 @@ def test_pretrain_gpt_without_node_hooks_keeps_the_loss_and_needs_nothing_to_mov
                                     ["core_attn", "--without-node-hooks", "--without-pack-hooks", *big])
     assert ours["loss_hex"] == base["loss_hex"]
     assert ours["without_node_hooks"] is True and ours["offload"]["steps"] == 0
+    assert ours["node_hooks"] is False  # the switch reached the manager (it is read when the manager is made)
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pretrain_gpt.py"), "--without-node-hooks",
                            "--fine-grained-activation-offloading", "--offload-modules", "core_attn"],
                           capture_output=True, text=True, timeout=300)
