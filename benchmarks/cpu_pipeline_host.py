@@ -109,12 +109,13 @@ def _python_glue_without(parts: list[str]) -> None:
     ``pack-hooks`` (no saved-tensor hooks pushed) and ``node-hooks`` (no pre-hooks on autograd nodes). Only with
     nothing to move (``--without`` sets the size threshold above every activation): what each costs a step where
     the points run and nothing is offloaded."""
+    import point_switches
+
     from mcore_offload.runtime import points
 
     os.environ["MCORE_OFFLOAD_NATIVE_POINTS"] = "0"
     if "pack-hooks" in parts:
-        points._push_hooks = lambda pack, unpack: None
-        points._pop_hooks = lambda: None
+        point_switches.without_pack_hooks()
     if "node-hooks" in parts:
         points._hook_node = lambda tensor, manager, hook: True
 

@@ -33,6 +33,7 @@ logger = logging.getLogger("pretrain_gpt")
 BENCHMARKS = Path(__file__).resolve().parent
 if str(BENCHMARKS) not in sys.path:  # the helper modules beside this script, also when it is imported
     sys.path.insert(0, str(BENCHMARKS))
+import point_switches  # noqa: E402
 import pretrain_args  # noqa: E402
 from host_clock import HostClock  # noqa: E402
 from offload_stop import offload_stop_summary, release_after_offloading  # noqa: E402
@@ -207,33 +208,6 @@ def forward_step(data_iterator, model):
     return out, partial(loss_func, b["loss_mask"])
 
 
-def without_pack_hooks() -> None:
-    """--without-pack-hooks: the points' saved-tensor hooks are never pushed. Both glues (points.py and the C++
-    block) push and pop them through ``points._push_hooks`` / ``_pop_hooks``, read at each use, so replacing those
-    leaves every other part of a point in place: the group, the start and commit node hooks, the commit."""
-    from mcore_offload.runtime import points
-
-    points._push_hooks = lambda pack, unpack: None
-    points._pop_hooks = lambda: None
-
-
-def without_node_hooks() -> None:
-    """--without-node-hooks: no group start or commit hook on any autograd node. ``MCORE_OFFLOAD_NODE_HOOKS=0``
-    (read when the manager is made, before the first forward) sends both glues to the identity nodes, which become
-    plain identities here; the commit still queues its group. Nothing may move in such a run: no commit hook means
-    no reload."""
-    from mcore_offload.runtime import points
-
-    os.environ["MCORE_OFFLOAD_NODE_HOOKS"] = "0"
-
-    def commit_without_node(tensor, handler, group):
-        handler.on_group_commit_forward(group)
-        return tensor
-
-    points._start = lambda tensor, handler, group: tensor
-    points._commit_node = commit_without_node
-
-
 def main(argv=None) -> int:
     from step_profiling import GcClock, annotate_offload_runtime, start_cprofile, stop_cprofile, write_profile
 
@@ -262,9 +236,9 @@ def main(argv=None) -> int:
 
         mcore_offload.ensure_patched()
         if args.without_pack_hooks:
-            without_pack_hooks()
+            point_switches.without_pack_hooks()
         if args.without_node_hooks:
-            without_node_hooks()
+            point_switches.without_node_hooks()
     alternate = args.alternate_offload or bool(args.host_delay_us) or bool(args.dma_load_mib) \
         or bool(args.alternate_runtime)
     switch = None  # --alternate-runtime: our runtime's settings, switched between steps

@@ -206,14 +206,14 @@ def test_pretrain_gpt_without_node_hooks_keeps_the_loss_and_needs_nothing_to_mov
 def test_without_node_hooks_sends_the_points_to_plain_identities(monkeypatch):
     """What --without-node-hooks changes: the runtime's own switch (MCORE_OFFLOAD_NODE_HOOKS=0, read when the
     manager is made) and identity nodes that are plain identities; the commit still queues its group."""
-    import pretrain_gpt
+    import point_switches
 
     from mcore_offload.runtime import points
 
     monkeypatch.setattr(points, "_start", points._start)
     monkeypatch.setattr(points, "_commit_node", points._commit_node)
     monkeypatch.setenv("MCORE_OFFLOAD_NODE_HOOKS", "1")
-    pretrain_gpt.without_node_hooks()
+    point_switches.without_node_hooks()
     assert os.environ["MCORE_OFFLOAD_NODE_HOOKS"] == "0"
     queued = []
 
