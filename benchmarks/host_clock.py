@@ -8,6 +8,8 @@ region:
 
 - ``start_unix``: when the step began (wall clock), to line steps up with samplers run beside the job
   (``nvidia-smi -lms``, ``vmstat``);
+- ``start_monotonic``: the same instant on ``CLOCK_MONOTONIC`` (seconds), the clock of ``perf record -k mono``
+  (``perf_steps.py`` gives each sample its step with it);
 - ``thread_cpu_ms``: CPU time of the main thread (it issues the forward passes; PyTorch runs CUDA backward passes on
   its own device thread) from the step's start to :meth:`HostClock.issued`, before the step's closing synchronize
   (which may spin);
@@ -62,6 +64,7 @@ class HostClock:
 
     def __init__(self) -> None:
         self.start_unix: list[float] = []
+        self.start_monotonic: list[float] = []
         self.thread_cpu_ms: list[float] = []
         self.process_cpu_ms: list[float] = []
         self.steal_ms: list[float | None] = []
@@ -83,6 +86,7 @@ class HostClock:
     def start_step(self) -> None:
         self._stat0, self._sw0 = self._stat(), self._switches()
         self.start_unix.append(round(time.time(), 4))
+        self.start_monotonic.append(round(time.monotonic(), 6))
         self._t0, self._cpu0, self._pcpu0 = time.perf_counter(), time.thread_time(), time.process_time()
 
     def issued(self) -> None:
@@ -105,6 +109,7 @@ class HostClock:
         self.involuntary_switches.append(None if sw is None or self._sw0 is None else sw - self._sw0)
 
     def as_dict(self) -> dict[str, list]:
-        return {"start_unix": self.start_unix, "thread_cpu_ms": self.thread_cpu_ms,
-                "process_cpu_ms": self.process_cpu_ms, "steal_ms": self.steal_ms, "busy_cpus": self.busy_cpus,
+        return {"start_unix": self.start_unix, "start_monotonic": self.start_monotonic,
+                "thread_cpu_ms": self.thread_cpu_ms, "process_cpu_ms": self.process_cpu_ms,
+                "steal_ms": self.steal_ms, "busy_cpus": self.busy_cpus,
                 "involuntary_switches": self.involuntary_switches}

@@ -438,7 +438,7 @@ def main(argv=None) -> int:
                         torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0)
     timed = step_ms[args.warmup_steps:] or step_ms
     row = {
-        "rank": rank, "label": args.label, "impl_version": mc.__version__,
+        "rank": rank, "pid": os.getpid(), "label": args.label, "impl_version": mc.__version__,
         "runtime_env": {k: v for k, v in os.environ.items() if k.startswith("MCORE_OFFLOAD_")},
         "losses": losses, "loss_hex": [None if x is None else float(x).hex() for x in losses],
         "step_ms": step_ms, "step_ms_median": statistics.median(timed), "timed_steps": len(timed),

@@ -188,6 +188,7 @@ def test_pretrain_gpt_evaluation_between_steps_offloads_nothing(tmp_path):
     assert offload["host_resident_bytes"] == 0 and offload["last_step"]["core_attn"]["offloaded"] > 0
     clock = ours["host_clock"]  # one value per step in every per-step list (benchmarks/host_clock.py)
     assert {len(v) for v in clock.values()} == {3} and all(t > 0 for t in clock["thread_cpu_ms"])
+    assert ours["pid"] > 0 and clock["start_monotonic"] == sorted(clock["start_monotonic"])  # perf_steps.py's keys
 
 
 def test_repeats_interleave_and_merge_into_the_median_of_medians():

@@ -141,7 +141,9 @@ for rep in $(seq 1 "${REPS:-2}"); do
       name=$name0
       i=$((i + 1)); tag=${name/@old/_old}; tag=${tag/@native/_native}-$bind-$rep
       rm -f "$out/$tag.json"  # a JSON left from an earlier run must not pass for this one's
-      env $envs PYTHONPATH=${tree:+$tree:}$PYTHONPATH timeout ${RUN_TIMEOUT:-150} torchrun --nproc-per-node ${NPROC:-1} \
+      # LAUNCH_PREFIX: a command put before torchrun, @TAG@ replaced by the run's tag (perf record, perf_steps.py)
+      prefix=${LAUNCH_PREFIX:-}; prefix=${prefix//@TAG@/$tag}
+      env $envs PYTHONPATH=${tree:+$tree:}$PYTHONPATH timeout ${RUN_TIMEOUT:-150} $prefix torchrun --nproc-per-node ${NPROC:-1} \
         --master-port $((29520 + i)) benchmarks/pretrain_gpt.py $A $flags $alt $spare ${SYNCS:+--time-syncs} ${EXTRA:-} \
         --cpu-bind "$bind" --json-out "$out/$tag.json" --label "$name" > "$out/$tag.log" 2>&1 || {
           # rank 0 writes the JSON after the last step: a run stopped after that (torchrun's teardown past
