@@ -17,7 +17,10 @@ Each figure is milliseconds of CPU a step (samples times ``--period-ns``, over t
 warm-up), for offloaded (``on``) and plain (``off``) steps and their difference, with its standard error from the
 sample counts (Poisson). ``self`` keys are where the sample was taken (library:function); ``incl`` keys count a
 sample once for each library on its call chain (a lower bound: chains stop at libraries built without frame
-pointers); ``python`` keys are the innermost Python function on the chain. Benchmark tooling only.
+pointers); ``python`` keys are the innermost Python function on the chain (Python 3.12 marks only the functions
+entered from C, so this is the Python function whose call from C leads to the sample). Samples with our C++
+module on the chain also count under ``ours-entry`` (the outermost of its functions on the chain), ``ours-caller``
+(the Python function above that) and ``under-ours`` (where the sample was taken). Benchmark tooling only.
 """
 
 from __future__ import annotations
@@ -103,8 +106,14 @@ def sample_keys(comm: str, pid: int, tid: int, frames: list[tuple[str, str]]) ->
         keys.append(f"incl {thread} {dso}")
     py = next((s for s, _ in frames if s.startswith("py::")), None)
     keys.append(f"python {thread} {py[4:] if py else '(none)'}")
-    if any(OUR_MODULE in d for _, d in frames):
+    ours = [i for i, (_, d) in enumerate(frames) if OUR_MODULE in d]
+    if ours:
         keys.append(f"ours {thread}")
+        sym, dso = frames[0]
+        keys.append(f"under-ours {thread} {dso}:{sym}")  # where the time inside our module's calls is spent
+        keys.append(f"ours-entry {thread} {frames[ours[-1]][0]}")  # the outermost of our functions on the chain
+        py = next((s for s, _ in frames[ours[-1] + 1:] if s.startswith("py::")), None)
+        keys.append(f"ours-caller {thread} {py[4:] if py else '(none)'}")  # the Python function that called it
     return keys
 
 
@@ -151,9 +160,10 @@ def report(run: dict[str, Any], samples: Iterable, period_ns: int, top: int) -> 
         out["ranks"][r.rank] = {"steps": dict(r.steps), "rows": rows}
         text.append(f"rank {r.rank} (pid {r.pid}): {r.steps.get('on', 0)} offloaded and {r.steps.get('off', 0)} "
                     f"plain steps after {warmup} warm-up; CPU ms a step")
-        for prefix in ("thread", "selflib", "incl", "ours", "python", "self"):
+        for prefix in ("thread", "selflib", "incl", "ours", "ours-entry", "ours-caller", "under-ours", "python",
+                       "self"):
             chosen = [x for x in rows if x["key"].startswith(prefix + " ")]
-            if prefix in ("python", "self"):
+            if prefix in ("python", "self", "under-ours"):
                 chosen = chosen[:top] + [x for x in chosen[-max(top // 3, 1):] if x not in chosen[:top]]
             text.append(f"  {'key':<78}{'on':>9}{'off':>9}{'diff':>9}{'± se':>8}")
             for x in chosen:

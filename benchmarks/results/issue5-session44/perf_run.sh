@@ -17,7 +17,8 @@ for data in /tmp/perf/$g-*.perf.data; do
   run=/tmp/r/$g/$tag.json
   [ -s "$run" ] || { echo "no JSON for $tag"; continue; }
   t0=$SECONDS
-  bash "$perf_dir/perf.sh" script -i "$data" -F comm,pid,tid,time,ip,sym,dso 2> "$OUT/$g-$tag.perf-script.err" | \
+  # --max-stack 24: without a limit perf script did not finish one D-dense run's samples in five minutes (call 10)
+  timeout "${SCRIPT_TIMEOUT:-250}" bash "$perf_dir/perf.sh" script --max-stack 24 -i "$data" -F comm,pid,tid,time,ip,sym,dso 2> "$OUT/$g-$tag.perf-script.err" | \
     python3 benchmarks/perf_steps.py "$run" --period-ns "${PERF_PERIOD_NS:-1000000}" --top 40 \
       --json-out "$OUT/$g-$tag.perf.json" > "$OUT/$g-$tag.perf.txt" 2>&1
   echo "$tag: perf script and perf_steps.py took $((SECONDS - t0)) s ($(du -h "$data" | cut -f1) of samples)"
