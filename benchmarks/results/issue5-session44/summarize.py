@@ -1,6 +1,7 @@
-"""Session 44's tables from the committed perf_steps.py summaries (runs/*.perf.json): python3 summarize.py"""
+"""Session 44's tables from the committed perf_steps.py summaries (runs/*.perf.json.gz): python3 summarize.py"""
 
 import collections
+import gzip
 import json
 from pathlib import Path
 
@@ -12,7 +13,7 @@ KEYS = ["thread main", "thread pt_autograd_N", "ours main", "ours pt_autograd_N"
 
 
 def rows(name: str, rank: str) -> dict:
-    data = json.loads((RUNS / f"{name}-none-1.perf.json").read_text())
+    data = json.loads(gzip.decompress((RUNS / f"{name}-none-1.perf.json.gz").read_bytes()))
     return {r["key"]: r for r in data["ranks"][rank]["rows"]}
 
 
