@@ -20,7 +20,8 @@ sample once for each library on its call chain (a lower bound: chains stop at li
 pointers); ``python`` keys are the innermost Python function on the chain (Python 3.12 marks only the functions
 entered from C, so this is the Python function whose call from C leads to the sample). Samples with our C++
 module on the chain also count under ``ours-entry`` (the outermost of its functions on the chain), ``ours-caller``
-(the Python function above that) and ``under-ours`` (where the sample was taken). Benchmark tooling only.
+(the Python function above that), ``ours-python`` (the innermost Python function below it: what our C++ called back
+into, or ``(none)``) and ``under-ours`` (where the sample was taken). Benchmark tooling only.
 """
 
 from __future__ import annotations
@@ -114,6 +115,8 @@ def sample_keys(comm: str, pid: int, tid: int, frames: list[tuple[str, str]]) ->
         keys.append(f"ours-entry {thread} {frames[ours[-1]][0]}")  # the outermost of our functions on the chain
         py = next((s for s, _ in frames[ours[-1] + 1:] if s.startswith("py::")), None)
         keys.append(f"ours-caller {thread} {py[4:] if py else '(none)'}")  # the Python function that called it
+        inner = next((s for s, _ in frames[:ours[-1]] if s.startswith("py::")), None)
+        keys.append(f"ours-python {thread} {inner[4:] if inner else '(none)'}")  # Python it called back into
     return keys
 
 
@@ -160,8 +163,8 @@ def report(run: dict[str, Any], samples: Iterable, period_ns: int, top: int) -> 
         out["ranks"][r.rank] = {"steps": dict(r.steps), "rows": rows}
         text.append(f"rank {r.rank} (pid {r.pid}): {r.steps.get('on', 0)} offloaded and {r.steps.get('off', 0)} "
                     f"plain steps after {warmup} warm-up; CPU ms a step")
-        for prefix in ("thread", "selflib", "incl", "ours", "ours-entry", "ours-caller", "under-ours", "python",
-                       "self"):
+        for prefix in ("thread", "selflib", "incl", "ours", "ours-entry", "ours-caller", "ours-python", "under-ours",
+                       "python", "self"):
             chosen = [x for x in rows if x["key"].startswith(prefix + " ")]
             if prefix in ("python", "self", "under-ours"):
                 chosen = chosen[:top] + [x for x in chosen[-max(top // 3, 1):] if x not in chosen[:top]]

@@ -72,6 +72,7 @@ def test_each_sample_goes_to_its_steps_kind_and_warm_up_and_gaps_and_other_pids_
     assert rows["ours main"]["diff_ms"] == 1.0
     assert rows["ours-entry main copy_out"]["on_ms"] == 1.0 and rows["ours-caller main (none)"]["on_ms"] == 1.0
     assert rows["under-ours main libcudart.so.13:cudaMemcpyAsync"]["on_ms"] == 1.0
+    assert rows["ours-python main to_host:/x/transport.py"]["on_ms"] == 1.0  # the Python our C++ called back into
     assert rows["python main to_host:/x/transport.py"]["on_ms"] == 1.0
     assert rows["incl main mcore_offload_hooks_abc.so"]["on_ms"] == 1.0
     assert rows["self libtorch_cuda.so:some_kernel_launch"]["diff_ms"] == -2.0
