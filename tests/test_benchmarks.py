@@ -380,3 +380,20 @@ def test_cpu_glue_instructions_groups_callgrind_self_counts_by_shared_object():
     got = cpu_glue_instructions.by_object(annotate)
     # the build's hash is dropped, so that two builds' counts add up under one name; the totals line is skipped
     assert got == {"libpython3.11.so.1.0": 700, "libpython (inlined)": 300, "mcore_offload_hooks.so": 300, "?": 200}
+
+
+def test_cpu_runtime_python_counts_the_points_entries_once_per_point_and_layer_microbatch(tmp_path):
+    """cpu_runtime_python.py: the runtime's Python functions per layer-microbatch, from cProfile (deterministic)."""
+    _need_stub_compiler()
+    out = tmp_path / "python.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_runtime_python.py"), "--layout", "pp1",
+                           "--layers", "4", "--microbatches", "2", "--steps", "2", "--json-out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    calls = {r["function"].rsplit(":", 1)[1]: r["calls_per_layer_mb"] for r in result["rows"]}
+    # every patched point of a layer enters points.offload and points.commit once per microbatch; the attention set
+    # opens one group (one chain) a layer-microbatch
+    assert calls["offload"] == calls["commit"] and calls["offload"] >= 3 and calls["open_group"] == 1.0
+    assert result["layer_microbatches_a_step"] == 8 and result["calls_per_layer_mb"] > calls["offload"] * 2
+    assert "Python calls of mcore_offload a layer-microbatch" in proc.stdout
