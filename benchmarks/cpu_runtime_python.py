@@ -7,7 +7,8 @@ counts what is left of it, deterministically (call counts do not depend on this 
 dense GPT over the stub CUDA runtime of ``cpu_transport_glue.py`` (the GPU's transport and C++ paths). ``cProfile``
 sees every Python function call, including those made from C++.
 
-    python benchmarks/cpu_runtime_python.py [--layout pp1|pp2vpp2] [--steps 4] [--top 40] [--json-out FILE]
+    python benchmarks/cpu_runtime_python.py [--layout pp1|pp2vpp2] [--warmup 4] [--steps 4] [--top 40]
+        [--json-out FILE]
 
 Per rank 0: every ``mcore_offload`` Python function run in the measured steps, its calls per layer-microbatch and
 its own time (µs a layer-microbatch, with cProfile's overhead, so only for ranking), and the total calls per
@@ -39,7 +40,10 @@ def job(rank: int, world_size: int, lib: str, vpp: int | None, args: dict[str, A
     from tests.harness.gpt import run_steps
 
     chunks, kw = stub_gpt(lib, world_size, rank, vpp, POINTS, args["min_size"], args["layers"], args["microbatches"])
-    run_steps(chunks, n_steps=2, **kw)  # the first offloading steps allocate and announce
+    # the first offloading steps allocate and announce, and steps 0-3 are all timed by the link telemetry; from
+    # step 4 on one step in MCORE_OFFLOAD_TELEMETRY_EVERY (4) is, so the default warm-up of 4 measures steps as a
+    # long run has them
+    run_steps(chunks, n_steps=args["warmup"], **kw)
     profile = cProfile.Profile()
     profile.enable()
     run_steps(chunks, n_steps=args["steps"], **kw)
@@ -72,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layout", choices=list(LAYOUTS), default="pp2vpp2")
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--min-size", type=int, default=512, help="min_offloaded_tensor_size (bytes): what moves")
     p.add_argument("--top", type=int, default=40)
