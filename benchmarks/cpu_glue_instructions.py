@@ -54,8 +54,7 @@ def worker(mode: str, toggle: str, args: argparse.Namespace) -> None:
 
     lib = ctypes.CDLL(toggle)
     with tempfile.TemporaryDirectory() as tmp:
-        cpu_transport_glue.stub_runtime(Path(tmp), real_copies=True)
-        stub = str(next(Path(tmp).glob("libstubcudart*.so")))
+        stub = cpu_transport_glue.stub_library(Path(tmp), real_copies=True)
         chunks, kw = stub_gpt(stub, 1, 0, None, POINTS, args.min_size, args.layers, args.microbatches)
         run_steps(chunks, n_steps=2, **kw)  # the first offloading steps allocate and announce
         with contextlib.nullcontext() if mode == "on" else paused():

@@ -192,8 +192,7 @@ def main(argv: list[str] | None = None) -> None:
                                       "breakdown", "paired", "min_size", "python_glue", "without")}
     results: dict[str, Any] = {"args": args, "layouts": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        cpu_transport_glue.stub_runtime(Path(tmp), real_copies=True)
-        lib = str(next(Path(tmp).glob("libstubcudart*.so")))
+        lib = cpu_transport_glue.stub_library(Path(tmp), real_copies=True)
         for layout in a.layouts:
             logger.info("layout %s: %d warm-up and %d measured steps ...", layout, a.warmup, a.steps)
             results["layouts"][layout] = measure(layout, lib, args)

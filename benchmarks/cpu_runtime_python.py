@@ -29,7 +29,6 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-LAYOUTS = {"pp1": (1, None), "pp2vpp2": (2, 2)}
 POINTS = ["qkv_linear", "core_attn", "attn_proj"]
 
 
@@ -61,19 +60,19 @@ def job(rank: int, world_size: int, lib: str, vpp: int | None, args: dict[str, A
 
 def measure(layout: str, args: dict[str, Any]) -> dict[str, Any]:
     import cpu_transport_glue
+    from cpu_pipeline_host import LAYOUTS
 
     from tests.harness.multiproc import run_multiprocess
 
     pp, vpp = LAYOUTS[layout]
     with tempfile.TemporaryDirectory() as tmp:
-        cpu_transport_glue.stub_runtime(Path(tmp), real_copies=True)
-        lib = str(next(Path(tmp).glob("libstubcudart*.so")))
+        lib = cpu_transport_glue.stub_library(Path(tmp), real_copies=True)
         return run_multiprocess(job, pp, args=(lib, vpp, args), timeout_s=600)[0]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layout", choices=list(LAYOUTS), default="pp2vpp2")
+    p.add_argument("--layout", choices=["pp1", "pp2vpp2"], default="pp2vpp2")  # cpu_pipeline_host.LAYOUTS
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--warmup", type=int, default=4)

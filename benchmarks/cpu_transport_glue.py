@@ -101,6 +101,13 @@ def stub_runtime(workdir: Path, real_copies: bool = False, log: bool = False) ->
     return cudart.CudaRuntime(ctypes.CDLL(str(lib)))
 
 
+def stub_library(workdir: Path, real_copies: bool = False) -> str:
+    """:func:`stub_runtime` built into ``workdir``, as the path of its shared library (for worker processes, which
+    load it themselves)."""
+    stub_runtime(workdir, real_copies=real_copies)
+    return str(next(workdir.glob("libstubcudart*.so")))
+
+
 STUB_OPS = {1: "record", 2: "wait", 3: "query", 4: "copy"}
 
 

@@ -101,22 +101,17 @@ def sample_keys(comm: str, pid: int, tid: int, frames: list[tuple[str, str]]) ->
     keys = [f"thread {thread}"]
     if frames:
         sym, dso = frames[0]
-        keys.append(f"self {dso}:{sym}")
-        keys.append(f"selflib {thread} {dso}")
-    for dso in dict.fromkeys(d for _, d in frames):
-        keys.append(f"incl {thread} {dso}")
-    py = next((s for s, _ in frames if s.startswith("py::")), None)
-    keys.append(f"python {thread} {py[4:] if py else '(none)'}")
+        keys += [f"self {dso}:{sym}", f"selflib {thread} {dso}"]
+    keys += [f"incl {thread} {dso}" for dso in dict.fromkeys(d for _, d in frames)]
+    python = [i for i, (s, _) in enumerate(frames) if s.startswith("py::")]  # innermost first
+    keys.append(f"python {thread} {frames[python[0]][0][4:] if python else '(none)'}")
     ours = [i for i, (_, d) in enumerate(frames) if OUR_MODULE in d]
     if ours:
-        keys.append(f"ours {thread}")
-        sym, dso = frames[0]
-        keys.append(f"under-ours {thread} {dso}:{sym}")  # where the time inside our module's calls is spent
-        keys.append(f"ours-entry {thread} {frames[ours[-1]][0]}")  # the outermost of our functions on the chain
-        py = next((s for s, _ in frames[ours[-1] + 1:] if s.startswith("py::")), None)
-        keys.append(f"ours-caller {thread} {py[4:] if py else '(none)'}")  # the Python function that called it
-        inner = next((s for s, _ in frames[:ours[-1]] if s.startswith("py::")), None)
-        keys.append(f"ours-python {thread} {inner[4:] if inner else '(none)'}")  # Python it called back into
+        outer = ours[-1]  # the outermost of our functions on the chain
+        called = next((frames[i][0][4:] for i in python if i < outer), "(none)")  # the Python it called back into
+        caller = next((frames[i][0][4:] for i in python if i > outer), "(none)")  # the Python that called it
+        keys += [f"ours {thread}", f"under-ours {thread} {dso}:{sym}", f"ours-entry {thread} {frames[outer][0]}",
+                 f"ours-caller {thread} {caller}", f"ours-python {thread} {called}"]
     return keys
 
 
