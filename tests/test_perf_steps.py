@@ -1,5 +1,7 @@
 """benchmarks/perf_steps.py: perf script's samples split into offloaded and plain steps, per thread and library."""
 
+import collections
+import json
 import shutil
 import subprocess
 import sys
@@ -88,8 +90,8 @@ def test_a_run_without_the_monotonic_starts_is_refused_in_one_sentence():
 
 
 def test_the_standard_error_follows_the_counts():
-    counts = {"on": perf_steps.collections.Counter({"k": 100}), "off": perf_steps.collections.Counter({"k": 25})}
-    (row,) = perf_steps.table(counts, perf_steps.collections.Counter({"on": 10, "off": 5}), period_ns=1_000_000)
+    counts = {"on": collections.Counter({"k": 100}), "off": collections.Counter({"k": 25})}
+    (row,) = perf_steps.table(counts, collections.Counter({"on": 10, "off": 5}), period_ns=1_000_000)
     assert (row["on_ms"], row["off_ms"], row["diff_ms"]) == (10.0, 5.0, 5.0)
     assert row["se_ms"] == pytest.approx((100 / 100 + 25 / 25) ** 0.5, abs=1e-3)
 
@@ -114,7 +116,7 @@ def test_on_a_real_perf_capture_the_main_thread_is_seen(tmp_path):
         pytest.skip(f"perf record is not allowed here: {rec.stderr.strip()[-200:]}")
     script = subprocess.run(["perf", "script", "-i", str(data), "-F", "comm,pid,tid,time,ip,sym,dso"],
                             capture_output=True, text=True, timeout=120)
-    out, _ = perf_steps.report(__import__("json").loads(js.read_text()),
+    out, _ = perf_steps.report(json.loads(js.read_text()),
                                perf_steps.read_samples(script.stdout.splitlines(keepends=True)), 1_000_000, 5)
     rows = {r["key"]: r for r in out["ranks"][0]["rows"]}
     assert rows["thread main"]["on_ms"] > 20 and rows["thread main"]["off_ms"] > 20
