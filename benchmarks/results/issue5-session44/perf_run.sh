@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 44: D-dense variants under perf record (every thread of both ranks, 1 ms of CPU a sample, call chains,
 # CLOCK_MONOTONIC), then each run's samples split into offloaded and plain steps by benchmarks/perf_steps.py.
-# Needs the perf bundle unpacked at $PERF_DIR (default /root/perfb/perf: perf, its libraries, record.sh, perf.sh) and
+# Needs the perf bundle (benchmarks/gpu/perf_bundle.sh) unpacked at $PERF_DIR (default /root/perfb/perf) and
 # benchmarks/results/issue5-session25/setup.sh run before. G, VARIANTS, ITERS, RUN_TIMEOUT, DEADLINE_S as in
 # issue5-session30/run_cfg.sh; the summaries go to $OUT/$G-<variant>.perf.txt and .perf.json.
 set -u
