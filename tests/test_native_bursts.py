@@ -23,7 +23,7 @@ def _transport(rt, use_cpp: bool):
     t = cpu_transport_glue.stub_transport(rt, -1, native=True, timed_from_start=True)
     assert t.native is not None and hasattr(t.native, "to_host_burst")
     if not use_cpp:
-        t._native_bursts = lambda: None  # the Python methods, with the same C++ module for the rest
+        t.cpp_bursts = False  # the Python methods, with the same C++ module for the rest
     assert (t._native_bursts() is not None) == use_cpp
     return t
 
@@ -102,15 +102,26 @@ def test_bad_reload_parts_are_one_sentence_on_both_paths(native_stub_runtime):
 
 
 def test_the_cpp_bursts_step_aside_where_python_must_make_them(native_stub_runtime, monkeypatch):
+    """The C++ copy-out, reload and wait paths go straight to the C++ bursts where ``_native_bursts`` would, and
+    nowhere else: ``bursts_in_cpp`` reads the same conditions."""
     t = _transport(native_stub_runtime, use_cpp=True)
+    both = lambda: (t._native_bursts() is not None, t.native.bursts_in_cpp(t))  # noqa: E731
+    assert both() == (True, True)
+    t.cpp_bursts = False
+    assert both() == (False, False)  # the switch for comparisons
+    t.cpp_bursts = True
     t.coalesce = True
-    assert t._native_bursts() is None  # coalesced reloads
+    assert both() == (False, False)  # coalesced reloads
     t.coalesce = False
     monkeypatch.setattr(t.rt, "memcpy_batch", object())
-    assert t._native_bursts() is None  # one cudaMemcpyBatchAsync a burst
+    assert both() == (False, False)  # one cudaMemcpyBatchAsync a burst
     monkeypatch.setattr(t.rt, "memcpy_batch", None)
     monkeypatch.setattr(t.rt, "call_addresses", None)
-    assert t._native_bursts() is None  # a runtime without C entry points (tests' fakes)
+    assert both() == (False, False)  # a runtime without C entry points (tests' fakes)
+    native = t.native
+    t.native = None
+    assert t._native_bursts() is None and native.bursts_in_cpp(t) is False
+    assert native.bursts_in_cpp(object()) is False  # not a raw transport
 
 
 def test_the_burst_phase_clock_counts_bursts_and_copies_then_resets(native_stub_runtime):

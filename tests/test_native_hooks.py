@@ -114,14 +114,34 @@ def test_the_cpp_unpack_hook_rebuilds_a_view_with_its_layout(module):
     assert got.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
 
 
-def test_an_entry_not_yet_waited_for_goes_through_the_handler(module):
+def test_an_entry_back_but_not_yet_waited_for_waits_once_then_rebuilds(module, monkeypatch):
+    """A split chain's first point: its storage is back and the compute stream has not waited for its burst yet. The
+    unpack hook makes handler._rebuild's wait itself (transport.wait_reload with the entry's event and burst number),
+    marks the entry waited and rebuilds the view, without the handler's Python method."""
+    handler = _handler()
+    rebuilt, waits = [], []
+    handler._rebuild = lambda ref: rebuilt.append(ref) or torch.zeros(1)
+    monkeypatch.setattr(handler.transport, "wait_reload", lambda event, seq: waits.append((event, seq)))
+    base = torch.randn(4)
+    ref = module.SavedRef(base, handler.open_group("core_attn"), "core_attn")
+    entry = _Entry(base.untyped_storage())
+    entry.compute_waited, entry.h2d_event, entry.h2d_seq = False, "burst 7 done", 7
+    ChunkOffloadHandler._attach(entry, [ref])
+    got = module.Unpacker(handler)(ref)
+    assert torch.equal(got, base) and rebuilt == []
+    assert waits == [("burst 7 done", 7)] and entry.compute_waited is True
+    module.Unpacker(handler)(ref)  # waited now: no second wait
+    assert waits == [("burst 7 done", 7)]
+
+
+def test_an_entry_not_back_yet_goes_through_the_handler(module):
     handler = _handler()
     calls = []
     handler._rebuild = lambda ref: calls.append(ref) or torch.zeros(1)
     ref = module.SavedRef(torch.randn(4), handler.open_group("core_attn"), "core_attn")
     entry = _Entry(torch.randn(4).untyped_storage())
-    entry.compute_waited = False
     ChunkOffloadHandler._attach(entry, [ref])
+    entry.device_storage = None  # on the host only: the handler reloads it inline
     module.Unpacker(handler)(ref)
     assert calls == [ref]
 

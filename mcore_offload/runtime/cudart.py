@@ -120,11 +120,14 @@ class EventPool:
         self.flags = (0 if timed else EVENT_DISABLE_TIMING) | (EVENT_BLOCKING_SYNC if blocking else 0)
         self.free: list[int] = []
         self.created = 0
+        #: the class of the events handed out, called as (runtime, handle, free list); the C++ bursts make theirs the
+        #: same way from a free handle (runtime/native/link_calls.cpp: done_event)
+        self.event_type: type = RawEvent
 
     def get(self) -> RawEvent:
         free = self.free
         if free:
-            return RawEvent(self.rt, free.pop(), free)
+            return self.event_type(self.rt, free.pop(), free)
         import torch  # only here: this module is imported on CPU-only installs too
 
         handle = ctypes.c_void_p()
@@ -133,7 +136,7 @@ class EventPool:
         if err:
             self.rt.fail("cudaEventCreateWithFlags", err)
         self.created += 1
-        return RawEvent(self.rt, handle.value, free)
+        return self.event_type(self.rt, handle.value, free)
 
 
 class CudaRuntime:

@@ -83,13 +83,16 @@ class RawCudaTransport(CoalescedReloads, CudaTransport):
         records and is waited on like any other, and one pool serves marks and done events)."""
         return self._timed_events.get()
 
+    #: False: the Python methods below make every burst and wait even where the C++ ones could (for comparisons)
+    cpp_bursts = True
+
     def _native_bursts(self):
         """The C++ bursts (runtime/native/bursts.cpp), or None: where the reloads are coalesced, copies go as one
         cudaMemcpyBatchAsync, or the runtime has no C entry points (tests' fakes), the Python methods below make
-        them."""
+        them. The C++ copy-out, reload and wait paths read the same conditions (link_calls.cpp: bursts_in_cpp)."""
         native = self.native
         rt = self.rt
-        if native is None or self.coalesce or rt.memcpy_batch is not None:
+        if not self.cpp_bursts or native is None or self.coalesce or rt.memcpy_batch is not None:
             return None
         if getattr(rt, "call_addresses", None) is None:
             return None

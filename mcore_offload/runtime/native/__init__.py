@@ -48,7 +48,8 @@ logger = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("module.cpp", "hooks.cpp", "copy_path.cpp", "held_checks.cpp", "copy_calls.cpp",
                              "bursts.cpp", "pool_calls.cpp", "burst_clock.cpp", "entry.cpp", "reload.cpp",
-                             "backward.cpp", "node_hooks.cpp", "points_block.cpp"))
+                             "backward.cpp", "node_hooks.cpp", "points_block.cpp", "link_calls.cpp",
+                             "summary_calls.cpp"))
 HEADERS = (Path(__file__).with_name("common.h"),)
 MODES = ("auto", "0", "1")
 

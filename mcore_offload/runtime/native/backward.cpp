@@ -36,7 +36,6 @@ PyObject* s_chunk_layers;
 PyObject* s_vp_stage;
 PyObject* s_entries;
 PyObject* s_transport;
-PyObject* s_wait_reload;
 PyObject* s_index;
 PyObject* s_layer;
 PyObject* s_groups;
@@ -288,9 +287,7 @@ int wait_latest(PyObject* handler, PyObject* group, PyObject* entries) {
   Ref transport(PyObject_GetAttr(handler, s_transport));
   Ref event(transport ? PyObject_GetAttr(entry, s_h2d_event) : nullptr);
   Ref latest_seq(event ? PyObject_GetAttr(entry, s_h2d_seq) : nullptr);
-  Ref r(latest_seq ? PyObject_CallMethodObjArgs(transport.get(), s_wait_reload, event.get(), latest_seq.get(), nullptr)
-                   : nullptr);
-  return r ? 0 : -1;
+  return latest_seq ? wait_reload(transport.get(), event.get(), latest_seq.get()) : -1;
 }
 
 }  // namespace
@@ -492,7 +489,7 @@ bool backward_names_ready() {
       {&s_forward_handler, "forward_handler"}, {&s_pending, "pending"}, {&s_marks, "marks"},
       {&s_reload_layers, "reload_layers"}, {&s_prefetch, "prefetch"}, {&s_layers, "layers"},
       {&s_chunk_layers, "_chunk_layers"}, {&s_vp_stage, "vp_stage"}, {&s_entries, "entries"},
-      {&s_transport, "transport"}, {&s_wait_reload, "wait_reload"}, {&s_index, "index"}, {&s_layer, "layer"},
+      {&s_transport, "transport"}, {&s_index, "index"}, {&s_layer, "layer"},
       {&s_groups, "groups"}, {&s_kept_on_device, "kept_on_device"}, {&s_done, "done"},
       {&s_reload_bursts, "reload_bursts"}, {&s_current_group, "current_group"}, {&s_groups_done, "groups_done"},
       {&s_late_method, "_late"}, {&s_prefetch_layer_below, "_prefetch_layer_below"}, {&s_finish, "finish"},

@@ -19,25 +19,10 @@
 #include "common.h"
 
 namespace mco {
-namespace {
 
 constexpr int kHostToDevice = 1;  // cudaMemcpyHostToDevice
 constexpr int kDeviceToHost = 2;  // cudaMemcpyDeviceToHost
 constexpr int kNotReady = 600;    // cudaErrorNotReady: cudaEventQuery's "not yet"
-
-using MemcpyAsync = int (*)(void*, const void*, size_t, int, void*);
-using EventRecord = int (*)(void*, void*);
-using StreamWait = int (*)(void*, void*, unsigned);
-using EventQuery = int (*)(void*);
-
-struct Calls {
-  MemcpyAsync memcpy_async;
-  EventRecord record;
-  StreamWait wait;
-  EventQuery query;
-};
-
-void* as_handle(unsigned long long v) { return reinterpret_cast<void*>(static_cast<uintptr_t>(v)); }
 
 // transport.rt.call_addresses: (cudaMemcpyAsync, cudaEventRecord, cudaStreamWaitEvent, cudaEventQuery) (false: error)
 bool calls_of(PyObject* transport, Calls& out) {
@@ -96,6 +81,8 @@ void fail(PyObject* transport, const char* what, int err) {
   if (!PyErr_Occurred()) PyErr_Format(PyExc_RuntimeError, "%s failed (error %d)", what, err);
 }
 
+namespace {
+
 // CudaTransport.release_copied without ``final``: the held D2H bursts seen complete, oldest first, are dropped (their
 // device blocks go back to the allocator) and their done events marked seen. 0, or -1 with an error set
 int release_done(PyObject* transport, const Calls& calls, BurstDirection d) {
@@ -142,49 +129,6 @@ int release_done(PyObject* transport, const Calls& calls, BurstDirection d) {
   return rc;
 }
 
-// telemetry.mark(stream) where the step is timed, else None (a new reference; nullptr: error)
-PyObject* mark(PyObject* telemetry, unsigned long long stream) {
-  PyObject* timing = get_attr(telemetry, MCO_NAME("timing"));
-  int on = timing ? PyObject_IsTrue(timing) : -1;
-  Py_XDECREF(timing);
-  if (on < 0) return nullptr;
-  if (!on) {
-    Py_INCREF(Py_None);
-    return Py_None;
-  }
-  PyObject* handle = PyLong_FromUnsignedLongLong(stream);
-  PyObject* out = handle ? call_method(telemetry, MCO_NAME("mark"), {handle}) : nullptr;
-  Py_XDECREF(handle);
-  return out;
-}
-
-// telemetry.span(kind, start, end, nbytes, keep_end=True) (``kind`` interned: MCO_NAME; -1: error)
-int span(PyObject* telemetry, PyObject* kind, PyObject* start, PyObject* end, long long nbytes) {
-  PyObject* n = PyLong_FromLongLong(nbytes);
-  PyObject* r = n && kind ? call_method(telemetry, MCO_NAME("span"), {kind, start, end, n, Py_True}) : nullptr;
-  Py_XDECREF(n);
-  if (r == nullptr && !PyErr_Occurred()) PyErr_NoMemory();
-  Py_XDECREF(r);
-  return r == nullptr ? -1 : 0;
-}
-
-// A new done event from transport._done_event(), recorded on ``stream`` (nullptr: error)
-PyObject* done_event(PyObject* transport, const Calls& calls, unsigned long long stream) {
-  PyObject* done = call_method(transport, MCO_NAME("_done_event"));
-  unsigned long long handle = 0;
-  if (done == nullptr || !int_attr(done, MCO_NAME("handle"), handle)) {
-    Py_XDECREF(done);
-    return nullptr;
-  }
-  int err = calls.record(as_handle(handle), as_handle(stream));
-  if (err != 0) {
-    Py_DECREF(done);
-    fail(transport, "cudaEventRecord", err);
-    return nullptr;
-  }
-  return done;
-}
-
 // Owned references released at scope exit
 struct Refs {
   std::vector<PyObject*> held;
@@ -216,7 +160,7 @@ bool wait_for(const Calls& calls, unsigned long long stream, PyObject* event, in
 // After a burst's fence and waits (``lap``'s "waits" ends here): the first failed call raised (``err``), else the
 // start mark on ``stream`` (None in an untimed step; "mark"), with ``telemetry`` set; both kept in ``refs``. nullptr:
 // error set
-PyObject* waits_done(PyObject* transport, Refs& refs, BurstLap& lap, int err, unsigned long long stream,
+PyObject* waits_done(PyObject* transport, const Calls& calls, Refs& refs, BurstLap& lap, int err, unsigned long long stream,
                      PyObject*& telemetry) {
   lap.to(kWaits);
   if (err != 0) {
@@ -224,10 +168,12 @@ PyObject* waits_done(PyObject* transport, Refs& refs, BurstLap& lap, int err, un
     return nullptr;
   }
   telemetry = refs.keep(get_attr(transport, MCO_NAME("telemetry")));
-  PyObject* start = telemetry ? refs.keep(mark(telemetry, stream)) : nullptr;
+  PyObject* start = telemetry ? refs.keep(telemetry_mark(telemetry, calls, transport, stream)) : nullptr;
   lap.to(kMark);
   return start;
 }
+
+}  // namespace
 
 // to_host_burst(transport, storages, keep_alive, routed) -> (host buffers, done event): RawCudaTransport.to_host
 PyObject* module_to_host_burst(PyObject*, PyObject* args) {
@@ -321,7 +267,7 @@ PyObject* module_to_host_burst(PyObject*, PyObject* args) {
     waited = event;
   }
   PyObject* telemetry = nullptr;
-  PyObject* start = waits_done(transport, refs, lap, err, d2h, telemetry);
+  PyObject* start = waits_done(transport, calls, refs, lap, err, d2h, telemetry);
   if (start == nullptr) return nullptr;
   for (Py_ssize_t i = 0; i < n; ++i) {
     void* dst = THPVariable_Unpack(PyList_GET_ITEM(bufs, i)).data_ptr();
@@ -342,7 +288,7 @@ PyObject* module_to_host_burst(PyObject*, PyObject* args) {
   PyObject* r = pair ? call_method(held, MCO_NAME("append"), {pair}) : nullptr;
   if (r == nullptr) return nullptr;
   Py_DECREF(r);
-  if (span(telemetry, MCO_NAME("d2h"), start, done, nbytes) < 0) return nullptr;
+  if (telemetry_span(telemetry, MCO_NAME("d2h"), start, done, nbytes) < 0) return nullptr;
   lap.to(kBook);
   return PyTuple_Pack(2, bufs, done);
   END_HANDLE_TH_ERRORS
@@ -444,7 +390,7 @@ PyObject* module_to_device_burst(PyObject*, PyObject* args) {
     waited = event;
   }
   PyObject* telemetry = nullptr;
-  PyObject* start = waits_done(transport, refs, lap, err, h2d, telemetry);
+  PyObject* start = waits_done(transport, calls, refs, lap, err, h2d, telemetry);
   if (start == nullptr) return nullptr;
   unsigned long long reload_seq = 0;
   if (!int_attr(transport, s_reload_seq, reload_seq)) return nullptr;
@@ -475,12 +421,14 @@ PyObject* module_to_device_burst(PyObject*, PyObject* args) {
   burst_copies(kToDevice, n);
   PyObject* last = PyList_GET_ITEM(events, PyList_GET_SIZE(events) - 1);
   if (set_attr(transport, MCO_NAME("_last_h2d_done"), last) < 0 ||
-      span(telemetry, MCO_NAME("h2d"), start, last, nbytes) < 0)
+      telemetry_span(telemetry, MCO_NAME("h2d"), start, last, nbytes) < 0)
     return nullptr;
   lap.to(kBook);
   return PyTuple_Pack(2, out, events);
   END_HANDLE_TH_ERRORS
 }
+
+namespace {
 
 // release_copied(transport): CudaTransport.release_copied(final=False) for the raw transport
 PyObject* module_release_copied(PyObject*, PyObject* transport) {

@@ -176,6 +176,47 @@ bool point_types_ready(PyObject* module);
 extern PyTypeObject PackerType;
 extern PyTypeObject UnpackerType;
 
+// ------------------------------------------------------------------------------------- the CUDA runtime's calls
+// bursts.cpp: the CUDA runtime's entry points, called at the addresses CudaRuntime read from the library PyTorch has
+// loaded (transport.rt.call_addresses), and the transport's attributes the bursts read
+using MemcpyAsync = int (*)(void*, const void*, size_t, int, void*);
+using EventRecord = int (*)(void*, void*);
+using StreamWait = int (*)(void*, void*, unsigned);
+using EventQuery = int (*)(void*);
+struct Calls {
+  MemcpyAsync memcpy_async;
+  EventRecord record;
+  StreamWait wait;
+  EventQuery query;
+};
+inline void* as_handle(unsigned long long v) { return reinterpret_cast<void*>(static_cast<uintptr_t>(v)); }
+bool calls_of(PyObject* transport, Calls& out);  // false: error set
+bool int_attr(PyObject* obj, PyObject* name, unsigned long long& out);
+bool nested_int_attr(PyObject* obj, PyObject* a, PyObject* b, unsigned long long& out);
+bool compute_handle(PyObject* transport, unsigned long long& out);  // transport._compute_handle()
+void fail(PyObject* transport, const char* what, int err);         // transport.rt.fail(what, err): raises
+// bursts.cpp: RawCudaTransport.to_host / to_device's C++ bursts, module functions (args: their argument tuple)
+PyObject* module_to_host_burst(PyObject*, PyObject* args);
+PyObject* module_to_device_burst(PyObject*, PyObject* args);
+
+// link_calls.cpp: the link telemetry's mark and span (LinkTelemetry.mark / span), a burst's done event
+// (RawCudaTransport._done_event, recorded on ``stream``), whether a transport's bursts are the C++ ones
+// (RawCudaTransport._native_bursts: 1 yes, 0 no, -1 error set) and the compute stream's wait on a reload burst
+// (Transport.wait_reload; -1: error set), without a Python frame where the transport is the raw one
+PyObject* telemetry_mark(PyObject* telemetry, const Calls& calls, PyObject* transport, unsigned long long stream);
+int telemetry_span(PyObject* telemetry, PyObject* kind, PyObject* start, PyObject* end, long long nbytes);
+PyObject* done_event(PyObject* transport, const Calls& calls, unsigned long long stream);
+int bursts_in_cpp(PyObject* transport);
+int wait_reload(PyObject* transport, PyObject* event, PyObject* seq);
+extern PyMethodDef link_call_methods[];
+
+// summary_calls.cpp: OffloadSummary's counters where no peak is traced, without its Python frames.
+// summary_traces: summary.tracing (1 / 0, -1 error set); resident: summary.host_resident(delta); off_device:
+// summary.off_device(delta) where it traces nothing (the caller checked), -1 on error
+int summary_traces(PyObject* summary);
+int summary_resident(PyObject* summary, long long delta);
+int summary_off_device(PyObject* summary, long long delta);
+
 // burst_clock.cpp: host time per phase of the copy bursts (bursts.cpp), for benchmarks/runtime_breakdown.py; off
 // unless burst_timing(True) turned it on. ("query": release's completion queries, also counted in "release")
 enum BurstPhase { kRelease, kQuery, kAlloc, kFence, kAcquire, kWaits, kMark, kCopies, kDone, kBook, kBurstPhases };

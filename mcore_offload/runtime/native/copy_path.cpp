@@ -190,13 +190,7 @@ struct ToCopy {
 };
 
 // summary.host_resident(total) once for a burst: the same resident peak as one call per entry (every delta is positive)
-int count_resident(PyObject* summary, long long total) {
-  PyObject* n = PyLong_FromLongLong(total);
-  PyObject* r = n ? call_method(summary, MCO_NAME("host_resident"), {n}) : nullptr;
-  Py_XDECREF(n);
-  Py_XDECREF(r);
-  return r == nullptr ? -1 : 0;
-}
+int count_resident(PyObject* summary, long long total) { return summary_resident(summary, total); }
 
 // The entries of one copy burst: made, registered in handler.live with their release callbacks, counted, attached
 int make_entries(PyObject* handler, PyObject* live, const std::vector<ToCopy>& todo, PyObject* hosts,
@@ -326,7 +320,13 @@ PyObject* module_copy_out(PyObject*, PyObject* args) {
   }
   if (ok && !todo.empty()) {
     PyObject* transport = get_attr(handler, MCO_NAME("transport"));
-    PyObject* result = transport ? call_method(transport, MCO_NAME("to_host"), {storages, keep, routed}) : nullptr;
+    // transport.to_host, or straight to its C++ burst where that is what it would call (link_calls.cpp)
+    int direct = transport ? bursts_in_cpp(transport) : -1;
+    PyObject* args = direct == 1 ? PyTuple_Pack(4, transport, storages, keep, routed) : nullptr;
+    PyObject* result = direct == 1   ? (args ? module_to_host_burst(nullptr, args) : nullptr)
+                       : direct == 0 ? call_method(transport, MCO_NAME("to_host"), {storages, keep, routed})
+                                     : nullptr;
+    Py_XDECREF(args);
     Py_XDECREF(transport);
     Py_CLEAR(keep);  // the transport holds what it must until the copy has read it
     PyObject *hosts = nullptr, *event = nullptr;

@@ -139,14 +139,10 @@ void released_dealloc(Released* self) {
 int count_released(PyObject* manager, PyObject* entry, bool during_forward) {
   PyObject* summary = get_attr(manager, MCO_NAME("summary"));
   if (summary == nullptr) return -1;
-  PyObject* reader = get_attr(summary, MCO_NAME("_peak_reader"));
-  PyObject* by_key = reader ? get_attr(summary, MCO_NAME("off_by_key")) : nullptr;
-  bool tracing = reader == nullptr || by_key == nullptr || reader != Py_None || by_key != Py_None;
-  Py_XDECREF(reader);
-  Py_XDECREF(by_key);
-  if (PyErr_Occurred() || tracing) {
+  int tracing = summary_traces(summary);
+  if (tracing != 0) {
     Py_DECREF(summary);
-    return PyErr_Occurred() ? -1 : 0;
+    return tracing < 0 ? -1 : 0;
   }
   PyObject* point = PyObject_GetAttr(entry, s_point);
   PyObject* nbytes_obj = point ? PyObject_GetAttr(entry, s_nbytes) : nullptr;

@@ -381,9 +381,21 @@ PyObject* unpacker_unpack(Unpacker* self, PyObject* tag) {
     waited = flag == Py_True;
     Py_DECREF(flag);
   }
+  if (storage != nullptr && storage != Py_None && !waited) {
+    // back, not yet waited for (a split chain's first point): handler._rebuild's wait (link_calls.cpp)
+    Ref transport(get_attr(self->handler, MCO_NAME("transport")));
+    Ref event(transport ? PyObject_GetAttr(ref->entry, s_h2d_event) : nullptr);
+    Ref seq(event ? PyObject_GetAttr(ref->entry, s_h2d_seq) : nullptr);
+    waited = seq && wait_reload(transport.get(), event.get(), seq.get()) == 0 &&
+             PyObject_SetAttr(ref->entry, s_compute_waited, Py_True) == 0;
+    if (!waited) {
+      Py_DECREF(storage);
+      return nullptr;
+    }
+  }
   if (storage != nullptr && storage != Py_None && waited) {
     out = rebuild_view(ref, storage);
-  } else {  // not back yet, or not yet waited for: the handler's own path (inline reload, wait, errors)
+  } else {  // not back yet: the handler's own path (inline reload, wait, errors)
     out = PyObject_CallMethodObjArgs(self->handler, s_rebuild, tag, nullptr);
   }
   Py_XDECREF(storage);

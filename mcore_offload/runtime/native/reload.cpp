@@ -64,9 +64,7 @@ PyObject* gather(const std::vector<PyObject*>& todo, PyObject* name) {
 int count_reloaded(PyObject* handler, const std::vector<PyObject*>& todo, bool on_demand) {
   PyObject* summary = get_attr(handler, MCO_NAME("summary"));
   if (summary == nullptr) return -1;
-  PyObject* flag = get_attr(summary, MCO_NAME("tracing"));
-  int tracing = flag ? PyObject_IsTrue(flag) : -1;
-  Py_XDECREF(flag);
+  int tracing = summary_traces(summary);
   bool ok = tracing >= 0;
   if (ok && tracing) {
     PyObject* manager = get_attr(handler, MCO_NAME("manager"));
@@ -97,13 +95,7 @@ int count_reloaded(PyObject* handler, const std::vector<PyObject*>& todo, bool o
     }
     ok = ok && reloaded.report(summary, MCO_NAME("reloaded")) == 0 &&
          (!on_demand || reloaded.report(summary, MCO_NAME("reloaded_on_demand")) == 0);
-    if (ok && back != 0) {
-      PyObject* n = PyLong_FromLongLong(-back);
-      PyObject* r = n ? call_method(summary, MCO_NAME("off_device"), {n}) : nullptr;
-      Py_XDECREF(n);
-      ok = r != nullptr;
-      Py_XDECREF(r);
-    }
+    ok = ok && (back == 0 || summary_off_device(summary, -back) == 0);
   }
   Py_DECREF(summary);
   return ok ? 0 : -1;
@@ -141,8 +133,13 @@ int reload_runs(PyObject* handler, PyObject* runs, bool on_demand) {
   }
   PyObject* transport = parts_arg ? get_attr(handler, MCO_NAME("transport")) : nullptr;
   PyObject* device = transport ? get_attr(handler, MCO_NAME("device")) : nullptr;
-  PyObject* result =
-      device ? call_method(transport, MCO_NAME("to_device"), {hosts, sizes, after, device, parts_arg}) : nullptr;
+  // transport.to_device, or straight to its C++ burst where that is what it would call (link_calls.cpp)
+  int direct = device ? bursts_in_cpp(transport) : -1;
+  PyObject* args = direct == 1 ? PyTuple_Pack(5, transport, hosts, sizes, after, parts_arg) : nullptr;
+  PyObject* result = direct == 1   ? (args ? module_to_device_burst(nullptr, args) : nullptr)
+                     : direct == 0 ? call_method(transport, MCO_NAME("to_device"), {hosts, sizes, after, device, parts_arg})
+                                   : nullptr;
+  Py_XDECREF(args);
   Py_XDECREF(hosts);
   Py_XDECREF(sizes);
   Py_XDECREF(after);
