@@ -145,17 +145,19 @@ def stub_transport(rt: cudart.CudaRuntime, device_index: int = 0, native: bool =
     t.device, t.device_index = torch.device("cpu"), device_index
     t.d2h_stream = t.h2d_stream = _NoStream()
     t.rt, t._memcpy = rt, rt.memcpy
-    t._timed_events = cudart.EventPool(rt, 0, timed=True)
-    free, handles = t._timed_events.free, itertools.count(100)
-    t._timed_events.get = lambda: cudart.RawEvent(rt, free.pop() if free else next(handles), free)
-    t.telemetry = LinkTelemetry(t._timed_events.get, every=4)
+    t.native = load_native() if native else None
+    pool = t._timed_events = cudart.EventPool(rt, 0, timed=True)
+    if t.native is not None:  # as RawCudaTransport makes them
+        pool.event_type = cudart.native_event_type(t.native)
+    free, handles = pool.free, itertools.count(100)
+    pool.get = lambda: pool.event_type(rt, free.pop() if free else next(handles), free)
+    t.telemetry = LinkTelemetry(pool.get, every=4)
     t.telemetry.timing = timed_from_start
     t._d2h_fence, t._h2d_fence = cudart.RawEvent(rt, 8, []), cudart.RawEvent(rt, 9, [])
     t._d2h_handle, t._h2d_handle = 1, 2
     t._held, t._streams = collections.deque(), {}
     t.coalesce, t._slices_left, t._last_h2d_done = coalesce_reloads(), {}, None
     t._compute_handle = lambda: 3
-    t.native = load_native() if native else None
     return t
 
 

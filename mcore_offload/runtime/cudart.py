@@ -66,21 +66,14 @@ def mapped_cudart(maps_text: str) -> str | None:
     return None
 
 
-class RawEvent:
-    """A ``cudaEvent_t`` of the mapped runtime, with the part of ``torch.cuda.Event``'s interface the runtime uses
-    (``record(stream)`` takes a raw ``cudaStream_t``). When the last Python reference goes, the handle returns to
-    the free list it came from: no wait can be enqueued on it any more, and a wait already enqueued stays bound
-    to the record it saw (CUDA's rule), so recording it again later is safe."""
+class EventCalls:
+    """The part of ``torch.cuda.Event``'s interface the runtime uses, on a ``cudaEvent_t`` of the mapped runtime
+    (``handle``, ``_rt``; ``record(stream)`` takes a raw ``cudaStream_t``): shared by :class:`RawEvent` and the C++
+    module's event type (:func:`native_event_type`)."""
 
-    __slots__ = ("handle", "_rt", "_free", "seen_done", "reload_seq")
-
-    def __init__(self, rt: CudaRuntime, handle: int, free: list[int]) -> None:
-        self.handle, self._rt, self._free = handle, rt, free
-        # a query answered complete for this record (set by the transport): a stream waiting on it may skip the
-        # wait. Per object: a recycled handle comes back in a new RawEvent, unseen.
-        self.seen_done = False
-        # the reload burst (part) this event ends, as the handler numbers them (Transport.wait_reload); None: not one
-        self.reload_seq: int | None = None
+    __slots__ = ()
+    handle: int
+    _rt: CudaRuntime
 
     def record(self, stream: int) -> None:
         err = self._rt.event_record(self.handle, stream)
@@ -100,7 +93,7 @@ class RawEvent:
         if err:
             self._rt.fail("cudaEventSynchronize", err)
 
-    def elapsed_time(self, end: RawEvent) -> float:
+    def elapsed_time(self, end: EventCalls) -> float:
         """Milliseconds from this event to ``end`` (both timed and complete)."""
         ms = ctypes.c_float()
         err = self._rt.event_elapsed(ctypes.byref(ms), self.handle, end.handle)
@@ -108,8 +101,34 @@ class RawEvent:
             self._rt.fail("cudaEventElapsedTime", err)
         return ms.value
 
+
+class RawEvent(EventCalls):
+    """A ``cudaEvent_t`` of the mapped runtime (:class:`EventCalls`). When the last Python reference goes, the handle
+    returns to the free list it came from: no wait can be enqueued on it any more, and a wait already enqueued stays
+    bound to the record it saw (CUDA's rule), so recording it again later is safe."""
+
+    __slots__ = ("handle", "_rt", "_free", "seen_done", "reload_seq")
+
+    def __init__(self, rt: CudaRuntime, handle: int, free: list[int]) -> None:
+        self.handle, self._rt, self._free = handle, rt, free
+        # a query answered complete for this record (set by the transport): a stream waiting on it may skip the
+        # wait. Per object: a recycled handle comes back in a new RawEvent, unseen.
+        self.seen_done = False
+        # the reload burst (part) this event ends, as the handler numbers them (Transport.wait_reload); None: not one
+        self.reload_seq: int | None = None
+
     def __del__(self) -> None:
         self._free.append(self.handle)
+
+
+def native_event_type(native: Any) -> type:
+    """:class:`RawEvent` with its fields, constructor and finaliser in C++ (``native.RawEventBase``, event_type.cpp):
+    made and dropped two or three times a layer-microbatch, without a Python frame. One class per loaded module."""
+    made = getattr(native, "RawEvent", None)
+    if made is None:
+        made = type("RawEvent", (native.RawEventBase, EventCalls), {"__slots__": (), "__doc__": RawEvent.__doc__})
+        native.RawEvent = made
+    return made
 
 
 class EventPool:

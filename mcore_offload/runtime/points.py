@@ -38,7 +38,7 @@ from mcore_offload.runtime import manager as _manager_module
 from mcore_offload.runtime.enabled import in_backward
 from mcore_offload.runtime.handler import ChunkOffloadHandler
 from mcore_offload.runtime.manager import get_manager
-from mcore_offload.runtime.saved import Group
+from mcore_offload.runtime.saved import MIN_STORAGE_COVERAGE, ROUTED_POINTS, Group
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -354,8 +354,16 @@ def end_chunk(config: Any, hidden_states: Any) -> None:
 
 def layer_boundary(config: Any) -> None:
     """Called at the top of ``TransformerLayer.forward``."""
+    manager = _manager_module._MANAGER
+    # no forward handler: not a training forward, or offloading is off (the manager's method would do nothing)
+    if manager is None or manager.forward_handler is None:
+        return
     if getattr(config, "fine_grained_activation_offloading", False):
-        get_manager().layer_boundary()
+        native = manager.native_points
+        if native is not None:  # the same in C++ (runtime/native/layer_boundary.cpp), auto's steps left to Python
+            native.layer_boundary(manager, ROUTED_POINTS, MIN_STORAGE_COVERAGE)
+        else:
+            manager.layer_boundary()
 
 
 def step_boundary(schedule: F) -> F:

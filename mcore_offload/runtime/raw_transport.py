@@ -19,6 +19,7 @@ from mcore_offload.runtime.cudart import (
     CudaRuntime,
     EventPool,
     RawEvent,
+    native_event_type,
 )
 from mcore_offload.runtime.host_pool import host_memory_kind
 from mcore_offload.runtime.native import load_native
@@ -45,14 +46,16 @@ class RawCudaTransport(CoalescedReloads, CudaTransport):
         super().__init__(device)
         self.rt = runtime
         self._memcpy = runtime.memcpy_async
+        # the C++ copy loop and reload allocations (runtime/native), or None: the Python ones (MCORE_OFFLOAD_NATIVE)
+        self.native = load_native()
         self._timed_events = EventPool(runtime, self.device_index, timed=True)
+        if self.native is not None:  # done events and marks without a Python constructor and finaliser
+            self._timed_events.event_type = native_event_type(self.native)
         self.telemetry = LinkTelemetry(self._timed_events.get)
         self._d2h_fence = EventPool(runtime, self.device_index, timed=False).get()
         self._h2d_fence = EventPool(runtime, self.device_index, timed=False).get()
         self._d2h_handle = self.d2h_stream.cuda_stream
         self._h2d_handle = self.h2d_stream.cuda_stream
-        # the C++ copy loop and reload allocations (runtime/native), or None: the Python ones (MCORE_OFFLOAD_NATIVE)
-        self.native = load_native()
         self.coalesce = coalesce_reloads()
         if raw_current_stream_handle is not None:  # a C call with no Python frame (the C++ bursts call it too)
             self._compute_handle = functools.partial(raw_current_stream_handle, self.device_index)

@@ -1,11 +1,11 @@
 // A group's backward in C++ (see __init__.py for why and how this is built):
 //
 //   commit_backward  handler.on_group_commit_backward after the chunk's first group: the on-demand reload, the compute
-//                    stream's one wait (transport.wait_reload, called as it is), the prefetch of the layer below
+//                    stream's one wait (link_calls.cpp: wait_reload), the prefetch of the layer below
 //                    (handler._prefetch with one layer a burst)
 //   group_done       handler.on_group_backward_done (the late prefetch and finish are called as they are)
 //   finish_release   the body of handler.finish for a step that did not fail: host buffers back to the pool
-//                    (pool_calls.cpp: release_fast), the counts, every reference let go
+//                    (pool_calls.cpp: release_fast), the counts (manager_calls.cpp), every reference let go
 //
 // These run once per group (finish_release once per chunk and microbatch) on the backward's host path, where each
 // Python frame is step time in a launch-bound step (about 110 µs a group of Python in session 33's breakdown of A).
@@ -51,8 +51,6 @@ PyObject* s_opened;
 PyObject* s_refs;
 PyObject* s_storage_ref;
 PyObject* s_live;
-PyObject* s_on_hosts_freed;
-PyObject* s_on_handler_finished;
 PyObject* s_pool;
 PyObject* s_routed_owner;
 PyObject* s_free;
@@ -439,10 +437,8 @@ PyObject* module_finish_release(PyObject*, PyObject* args) {
       if (PyList_Append(freed.get(), e) < 0) return nullptr;
     }
   }
-  if (PyList_GET_SIZE(freed.get()) > 0) {  // manager.on_hosts_freed reads off_device before the loop below
-    Ref r(PyObject_CallMethodObjArgs(manager.get(), s_on_hosts_freed, freed.get(), nullptr));
-    if (!r) return nullptr;
-  }
+  // manager.on_hosts_freed reads off_device before the loop below
+  if (PyList_GET_SIZE(freed.get()) > 0 && hosts_freed(manager.get(), freed.get()) < 0) return nullptr;
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(freed.get()); ++i) {
     PyObject* e = PyList_GET_ITEM(freed.get(), i);
     if (PyObject_SetAttr(e, s_host, Py_None) < 0 || PyObject_SetAttr(e, s_device_storage, Py_None) < 0)
@@ -475,8 +471,7 @@ PyObject* module_finish_release(PyObject*, PyObject* args) {
     Ref r(PyObject_CallMethod(live.get(), "clear", nullptr));
     if (!r) return nullptr;
   }
-  Ref r(PyObject_CallMethodObjArgs(manager.get(), s_on_handler_finished, handler, nullptr));
-  if (!r) return nullptr;
+  if (handler_finished(manager.get(), handler) < 0) return nullptr;
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
 }
@@ -494,7 +489,7 @@ bool backward_names_ready() {
       {&s_reload_bursts, "reload_bursts"}, {&s_current_group, "current_group"}, {&s_groups_done, "groups_done"},
       {&s_late_method, "_late"}, {&s_prefetch_layer_below, "_prefetch_layer_below"}, {&s_finish, "finish"},
       {&s_opened, "opened"}, {&s_refs, "refs"}, {&s_storage_ref, "storage_ref"}, {&s_live, "live"},
-      {&s_on_hosts_freed, "on_hosts_freed"}, {&s_on_handler_finished, "on_handler_finished"}, {&s_pool, "pool"},
+      {&s_pool, "pool"},
       {&s_routed_owner, "_routed_owner"}, {&s_free, "_free"},
       {&s_release_host, "release_host"}, {&s_split_chains, "split_chains"}, {&s_points, "points"}};
   return intern_names(names, sizeof(names) / sizeof(names[0]));

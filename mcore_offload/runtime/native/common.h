@@ -209,6 +209,17 @@ PyObject* done_event(PyObject* transport, const Calls& calls, unsigned long long
 int bursts_in_cpp(PyObject* transport);
 int wait_reload(PyObject* transport, PyObject* event, PyObject* seq);
 extern PyMethodDef link_call_methods[];
+// event_type.cpp: RawEventBase readied and added to the module (false: error set)
+bool event_type_ready(PyObject* module);
+// layer_boundary.cpp: layer_boundary (OffloadManager.layer_boundary without auto)
+extern PyMethodDef layer_boundary_methods[];
+// copy_path.cpp: copy_out(handler, groups, routed_points, min_coverage), a module function (args: its argument tuple)
+PyObject* module_copy_out(PyObject*, PyObject* args);
+// manager_calls.cpp: manager.on_hosts_freed(freed) and manager.on_handler_finished(handler) (-1: error set)
+int hosts_freed(PyObject* manager, PyObject* freed);
+int handler_finished(PyObject* manager, PyObject* handler);
+// points_block.cpp: enabled.in_backward() (1: the autograd engine runs a backward, 0 not, -1 error set)
+int backward_running();
 
 // summary_calls.cpp: OffloadSummary's counters where no peak is traced, without its Python frames.
 // summary_traces: summary.tracing (1 / 0, -1 error set); resident: summary.host_resident(delta); off_device:

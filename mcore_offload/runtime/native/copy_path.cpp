@@ -228,6 +228,38 @@ int make_entries(PyObject* handler, PyObject* live, const std::vector<ToCopy>& t
   return rc;
 }
 
+// handler.on_held(point, nbytes, refs) (second_look.SecondLook.on_held) without its Python frames: counted as
+// skipped_aliased (manager.on_skipped), and the refs' groups kept for the second look (-1: error set)
+int on_held(PyObject* handler, PyObject* point, long long nbytes, PyObject* refs) {
+  int again = attr_true(handler, MCO_NAME("looking_again"));
+  if (again != 0) return again < 0 ? -1 : 0;  // counted at the first look
+  Ref manager(get_attr(handler, MCO_NAME("manager")));
+  Ref summary(manager ? get_attr(manager.get(), MCO_NAME("summary")) : nullptr);
+  if (!summary) return -1;
+  PointTotals skipped;
+  skipped.add(point, nbytes);
+  if (skipped.report(summary.get(), MCO_NAME("skipped_aliased")) < 0) return -1;
+  int look = attr_true(manager.get(), MCO_NAME("second_look"));  // MCORE_OFFLOAD_SECOND_LOOK
+  if (look <= 0) return look;
+  Ref held(get_attr(handler, MCO_NAME("held_back")));
+  if (!held) return -1;
+  if (!PyList_Check(held.get()) || !PyList_Check(refs)) {
+    PyErr_SetString(PyExc_TypeError, "on_held: handler.held_back and the refs must be lists");
+    return -1;
+  }
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(refs); ++i) {
+    Ref group(get_attr(PyList_GET_ITEM(refs, i), MCO_NAME("group")));
+    if (!group) return -1;
+    bool known = false;
+    for (Py_ssize_t j = 0; !known && j < PyList_GET_SIZE(held.get()); ++j)
+      known = PyList_GET_ITEM(held.get(), j) == group.get();
+    if (!known && PyList_Append(held.get(), group.get()) < 0) return -1;
+  }
+  return 0;
+}
+
+}  // namespace
+
 // copy_out(handler, groups, routed_points, min_coverage): handler.flush's work after it took the pending groups (see
 // the file comment)
 PyObject* module_copy_out(PyObject*, PyObject* args) {
@@ -303,11 +335,8 @@ PyObject* module_copy_out(PyObject*, PyObject* args) {
     if (held) {
       // Another live tensor keeps the storage: copying it would free nothing (handler.on_held counts it and
       // keeps its groups for a second look)
-      PyObject* r = PyObject_CallMethod(handler, "on_held", "OLO", point,
-                                        static_cast<long long>(THPStorage_Unpack(st).nbytes()), refs);
-      Py_XDECREF(r);
+      ok = on_held(handler, point, static_cast<long long>(THPStorage_Unpack(st).nbytes()), refs) == 0;
       Py_DECREF(point);
-      ok = r != nullptr;
       continue;
     }
     int is_routed = PySet_Contains(routed_points, point);
@@ -346,8 +375,6 @@ PyObject* module_copy_out(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
 }
-
-}  // namespace
 
 PyMethodDef copy_path_methods[] = {
     {"storages_of", module_storages_of, METH_O, "storages_of(groups): handler.flush's grouping by storage"},

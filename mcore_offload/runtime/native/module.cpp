@@ -291,7 +291,8 @@ PyMODINIT_FUNC MCO_CONCAT(PyInit_, TORCH_EXTENSION_NAME)(void) {
       PyModule_AddFunctions(m, copy_call_methods) < 0 || PyModule_AddFunctions(m, reload_methods) < 0 ||
       PyModule_AddFunctions(m, burst_methods) < 0 || PyModule_AddFunctions(m, burst_clock_methods) < 0 ||
       PyModule_AddFunctions(m, node_hook_methods) < 0 || PyModule_AddFunctions(m, backward_methods) < 0 ||
-      PyModule_AddFunctions(m, point_methods) < 0 || PyModule_AddFunctions(m, link_call_methods) < 0 || !point_types_ready(m) || !entry_types_ready(m)) {
+      PyModule_AddFunctions(m, point_methods) < 0 || PyModule_AddFunctions(m, link_call_methods) < 0 ||
+      PyModule_AddFunctions(m, layer_boundary_methods) < 0 || !event_type_ready(m) || !point_types_ready(m) || !entry_types_ready(m)) {
     Py_DECREF(m);
     return nullptr;
   }

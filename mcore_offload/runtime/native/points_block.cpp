@@ -323,6 +323,31 @@ PyObject* module_offload_block(PyObject*, PyObject* const* args, Py_ssize_t narg
 }
 
 // ----------------------------------------------------------------------------------------------------- commit
+// handler.on_group_commit_forward(group) without its Python frame: the group is committed and, if it saved something
+// to offload, queued for the next flush (a new reference to None; nullptr: error set)
+PyObject* commit_forward(PyObject* handler, PyObject* group) {
+  int committed = attr_true(group, MCO_NAME("committed"));
+  int finished = committed == 0 ? attr_true(handler, s_finished) : 0;
+  if (committed < 0 || finished < 0) return nullptr;
+  if (committed || finished) Py_RETURN_NONE;
+  if (set_attr(group, MCO_NAME("committed"), Py_True) < 0) return nullptr;
+  int saved = attr_true(group, MCO_NAME("refs"));
+  if (saved < 0) return nullptr;
+  if (saved) {
+    Ref groups(get_attr(handler, MCO_NAME("groups")));
+    Ref pending(groups ? get_attr(handler, MCO_NAME("pending")) : nullptr);
+    if (!pending) return nullptr;
+    Py_ssize_t count = PyObject_Size(groups.get());
+    Ref index(count >= 0 ? PyLong_FromSsize_t(count) : nullptr);
+    if (!index || set_attr(group, MCO_NAME("index"), index.get()) < 0 || PyList_Append(groups.get(), group) < 0 ||
+        PyList_Append(pending.get(), group) < 0)
+      return nullptr;
+  }
+  if (add_to_attr(handler, MCO_NAME("current_group"), 1) < 0) return nullptr;
+  Py_RETURN_NONE;
+}
+
+
 // The point's output with its group queued (points._commit past the chain test; a new reference, nullptr: error)
 PyObject* commit_group(PyObject* manager, PyObject* handler, PyObject* group, PyObject* value) {
   bool is_sequence = PyTuple_CheckExact(value) || PyList_CheckExact(value);
@@ -339,7 +364,7 @@ PyObject* commit_group(PyObject* manager, PyObject* handler, PyObject* group, Py
     if (node_hooks < 0) return nullptr;
     const at::Tensor& t = THPVariable_Unpack(first);
     if (node_hooks && t.grad_fn()) {
-      Ref r(PyObject_CallMethodObjArgs(handler, s_on_group_commit_forward, group, nullptr));
+      Ref r(commit_forward(handler, group));
       if (!r) return nullptr;
       add_group_hook(t, kGroupCommit, handler, group);
     } else {
@@ -347,7 +372,7 @@ PyObject* commit_group(PyObject* manager, PyObject* handler, PyObject* group, Py
       if (!out) return nullptr;
     }
   } else {  // nothing for backward to hook: the group is still queued for offload
-    Ref r(PyObject_CallMethodObjArgs(handler, s_on_group_commit_forward, group, nullptr));
+    Ref r(commit_forward(handler, group));
     if (!r) return nullptr;
   }
   if (!out) {
@@ -428,6 +453,8 @@ PyObject* module_commit_point(PyObject*, PyObject* const* args, Py_ssize_t nargs
 }
 
 }  // namespace
+
+int backward_running() { return calls_ready() ? in_backward() : -1; }
 
 PyMethodDef point_methods[] = {
     {"offload_block", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(module_offload_block)),
