@@ -244,7 +244,10 @@ class OffloadManager:
         return handler
 
     def layer_boundary(self) -> None:
-        """A transformer layer starts: the previous layer's groups may leave the device."""
+        """A transformer layer starts: the previous layer's groups may leave the device.
+
+        ``runtime/native/layer_boundary.cpp`` does the same where auto is off (with :meth:`_flush_due`'s rule): a
+        change here changes it too (tests/test_native_link_calls.py compares the two)."""
         handler = self.forward_handler
         if handler is not None and not in_backward():
             t0 = perf_counter_ns()

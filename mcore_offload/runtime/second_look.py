@@ -40,7 +40,8 @@ class SecondLook:
         raise NotImplementedError
 
     def on_held(self, point: str, nbytes: int, refs: list[SavedRef]) -> None:
-        """A flush left a storage on the device because another tensor held it (the C++ copy-out calls this too):
+        """A flush left a storage on the device because another tensor held it (the C++ copy-out has its twin,
+        runtime/native/copy_path.cpp: on_held):
         counted as ``skipped_aliased``, and its groups kept for :meth:`second_look`."""
         if self.looking_again:  # counted at the first look
             return

@@ -160,8 +160,8 @@ bool wait_for(const Calls& calls, unsigned long long stream, PyObject* event, in
 // After a burst's fence and waits (``lap``'s "waits" ends here): the first failed call raised (``err``), else the
 // start mark on ``stream`` (None in an untimed step; "mark"), with ``telemetry`` set; both kept in ``refs``. nullptr:
 // error set
-PyObject* waits_done(PyObject* transport, const Calls& calls, Refs& refs, BurstLap& lap, int err, unsigned long long stream,
-                     PyObject*& telemetry) {
+PyObject* waits_done(PyObject* transport, const Calls& calls, Refs& refs, BurstLap& lap, int err,
+                     unsigned long long stream, PyObject*& telemetry) {
   lap.to(kWaits);
   if (err != 0) {
     fail(transport, "cudaEventRecord/cudaStreamWaitEvent", err);

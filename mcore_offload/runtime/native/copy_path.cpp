@@ -189,9 +189,6 @@ struct ToCopy {
   PyObject* refs;
 };
 
-// summary.host_resident(total) once for a burst: the same resident peak as one call per entry (every delta is positive)
-int count_resident(PyObject* summary, long long total) { return summary_resident(summary, total); }
-
 // The entries of one copy burst: made, registered in handler.live with their release callbacks, counted, attached
 int make_entries(PyObject* handler, PyObject* live, const std::vector<ToCopy>& todo, PyObject* hosts,
                  PyObject* event) {
@@ -223,7 +220,10 @@ int make_entries(PyObject* handler, PyObject* live, const std::vector<ToCopy>& t
   }
   PyObject* summary = get_attr(handler, MCO_NAME("summary"));
   if (summary == nullptr) return -1;
-  int rc = offloaded.report(summary, MCO_NAME("offloaded")) < 0 || count_resident(summary, offloaded.total()) < 0 ? -1 : 0;
+  // summary.host_resident(total) once for a burst: the same resident peak as one call per entry (every delta is
+  // positive)
+  int rc =
+      offloaded.report(summary, MCO_NAME("offloaded")) < 0 || summary_resident(summary, offloaded.total()) < 0 ? -1 : 0;
   Py_DECREF(summary);
   return rc;
 }

@@ -1,14 +1,14 @@
 // The start of a transformer layer's forward in C++ (see __init__.py for why and how this is built):
 //
 //   layer_boundary(manager, routed_points, min_coverage)
-//       OffloadManager.layer_boundary where no auto plan is probing or tracing: the chain the last layer left open is
+//       OffloadManager.layer_boundary where auto is off: the chain the last layer left open is
 //       closed (manager.close_chain, called as it is), the layer counted, and where _flush_due says so the pending
 //       groups are flushed (handler.flush, with copy_path.cpp's copy-out unless the audit is on)
 //
 // Why: it runs once per layer and microbatch, and in Python it was six frames (the manager's method, in_backward,
 // close_chain, _flush_due, the handler's flush and _copy_out; cpu_runtime_python.py). Where auto is set, the chunk
-// takes clock marks or the peak is traced, the manager's Python method runs instead. tests/test_native_points.py
-// runs training steps through both and compares the CUDA calls, counters, losses and gradients.
+// takes clock marks or the peak is traced, the manager's Python method runs instead. tests/test_native_link_calls.py
+// runs training steps through both and compares the layers each flush came at, the counters, losses and gradients.
 
 #include "common.h"
 
