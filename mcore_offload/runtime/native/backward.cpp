@@ -58,12 +58,6 @@ PyObject* s_release_host;
 PyObject* s_split_chains;
 PyObject* s_points;
 
-// getattr(obj, name) as a C long (-1 with an error set on failure; callers check PyErr_Occurred)
-long attr_long(PyObject* obj, PyObject* name) {
-  Ref v(PyObject_GetAttr(obj, name));
-  return v ? PyLong_AsLong(v.get()) : -1;
-}
-
 int set_long(PyObject* obj, PyObject* name, long value) {
   Ref v(PyLong_FromLong(value));
   return v ? PyObject_SetAttr(obj, name, v.get()) : -1;

@@ -109,6 +109,8 @@ int add_runtime(PyObject* summary, int64_t ns);
 PyObject* lookup_attr(PyObject* obj, PyObject* name);
 // 1 / 0: getattr(obj, name) is true / false; -1: error set
 int attr_true(PyObject* obj, PyObject* name);
+// getattr(obj, name) as a C long (-1 with an error set on failure; callers check PyErr_Occurred)
+long attr_long(PyObject* obj, PyObject* name);
 
 // What the pack hook returns for an eligible tensor (saved.SavedRef's fields, read and written by the handler)
 struct SavedRef {

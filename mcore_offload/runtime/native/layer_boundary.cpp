@@ -15,20 +15,11 @@
 namespace mco {
 namespace {
 
-// an integer attribute as a long long (-1 with an error set on failure)
-long long long_attr(PyObject* obj, PyObject* name, bool& ok) {
-  Ref v(get_attr(obj, name));
-  long long out = v ? PyLong_AsLongLong(v.get()) : -1;
-  ok = !(out == -1 && PyErr_Occurred());
-  return out;
-}
-
 // manager._flush_due(handler) for a chunk without clock marks, ``layers`` its count with the starting layer (1 / 0 /
 // -1 error set)
 int flush_due(PyObject* manager, PyObject* handler, long long layers) {
-  bool ok = true;
-  long long k = long_attr(manager, MCO_NAME("flush_layers"), ok);
-  if (!ok) return -1;
+  long k = attr_long(manager, MCO_NAME("flush_layers"));
+  if (k == -1 && PyErr_Occurred()) return -1;
   if (k == 1) return 1;
   Ref chunk_layers(get_attr(manager, MCO_NAME("_chunk_layers")));
   Ref vp(chunk_layers ? get_attr(handler, MCO_NAME("vp_stage")) : nullptr);
@@ -90,9 +81,9 @@ PyObject* module_layer_boundary(PyObject*, PyObject* args) {
     Ref r(call_method(manager, MCO_NAME("close_chain")));
     if (!r) return nullptr;
   }
-  bool ok = add_to_attr(handler.get(), MCO_NAME("layers"), 1) == 0;
-  long long layers = ok ? long_attr(handler.get(), MCO_NAME("layers"), ok) : -1;
-  int due = ok ? flush_due(manager, handler.get(), layers) : -1;
+  long layers =
+      add_to_attr(handler.get(), MCO_NAME("layers"), 1) == 0 ? attr_long(handler.get(), MCO_NAME("layers")) : -1;
+  int due = layers == -1 && PyErr_Occurred() ? -1 : flush_due(manager, handler.get(), layers);
   if (due < 0 || (due && flush(manager, handler.get(), routed_points, min_coverage) < 0)) return nullptr;
   Ref summary(get_attr(manager, MCO_NAME("summary")));
   if (!summary || add_runtime(summary.get(), now_ns() - t0) < 0) return nullptr;

@@ -7,16 +7,6 @@
 #include "common.h"
 
 namespace mco {
-namespace {
-
-// an integer attribute (-1 with an error set on failure)
-long long long_of(PyObject* obj, PyObject* name) {
-  Ref v(PyObject_GetAttr(obj, name));
-  return v ? PyLong_AsLongLong(v.get()) : -1;
-}
-
-}  // namespace
-
 // manager.on_hosts_freed(freed) where the summary traces no peak, without its Python frames: the host-resident bytes
 // fall by the entries' total, and each entry still counted off the device comes back (the method where it traces;
 // -1: error set)
@@ -30,7 +20,7 @@ int hosts_freed(PyObject* manager, PyObject* freed) {
   long long total = 0, back = 0;
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(freed); ++i) {
     PyObject* e = PyList_GET_ITEM(freed, i);
-    long long n = long_of(e, s_nbytes);
+    long n = attr_long(e, s_nbytes);
     if (n == -1 && PyErr_Occurred()) return -1;
     total += n;
     int off = attr_true(e, s_off_device);

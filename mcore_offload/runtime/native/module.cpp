@@ -105,6 +105,11 @@ int attr_true(PyObject* obj, PyObject* name) {
   return v ? PyObject_IsTrue(v.get()) : -1;
 }
 
+long attr_long(PyObject* obj, PyObject* name) {
+  Ref v(get_attr(obj, name));
+  return v ? PyLong_AsLong(v.get()) : -1;
+}
+
 PyObject* lookup_attr(PyObject* obj, PyObject* name) {
   PyObject* out = nullptr;
 #if PY_VERSION_HEX >= 0x030D0000
