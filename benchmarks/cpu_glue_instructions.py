@@ -99,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--steps", type=int, default=1, help="counted steps a mode")
     p.add_argument("--json-out", default=None)
+    p.add_argument("--keep-dir", default=None,
+                   help="also copy each mode's callgrind output here (for callgrind_annotate by function)")
     p.add_argument("--worker", choices=["on", "off"], help=argparse.SUPPRESS)
     p.add_argument("--toggle", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -122,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
         for mode in ("on", "off"):
             print(f"mode {mode}: counting under callgrind (about five minutes) ...", flush=True)
             results[mode] = count(mode, toggle, args, workdir)
+            if args.keep_dir:
+                Path(args.keep_dir).mkdir(parents=True, exist_ok=True)
+                shutil.copy(workdir / f"{mode}.callgrind", Path(args.keep_dir) / f"{mode}.callgrind")
     layer_mb = args.layers * args.microbatches
     (on, on_obj), (off, off_obj) = results["on"], results["off"]
     added = (on - off) / args.steps

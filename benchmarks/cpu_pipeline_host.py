@@ -68,6 +68,31 @@ def stub_gpt(lib: str, world_size: int, rank: int, vpp: int | None, points: list
     return chunks, dict(num_microbatches=microbatches, seq_len=seq_len, micro_batch_size=2, lr=0.01)
 
 
+def rank0_on_stub(job: Any, layout: str, args: dict[str, Any], timeout_s: int = 600) -> Any:
+    """``job(rank, world_size, lib, vpp, args)`` on every rank of ``layout`` over a fresh stub CUDA runtime (built
+    on the fly); rank 0's answer. The one-layout tools (``cpu_runtime_python.py``, ``cpu_attr_counts.py``) use it."""
+    import cpu_transport_glue
+
+    from tests.harness.multiproc import run_multiprocess
+
+    pp, vpp = LAYOUTS[layout]
+    with tempfile.TemporaryDirectory() as tmp:
+        lib = cpu_transport_glue.stub_library(Path(tmp), real_copies=True)
+        return run_multiprocess(job, pp, args=(lib, vpp, args), timeout_s=timeout_s)[0]
+
+
+def stub_layout_args(p: argparse.ArgumentParser, steps: int) -> None:
+    """The one-layout tools' common options: the layout, the model's size, the steps, what moves, the output."""
+    p.add_argument("--layout", choices=list(LAYOUTS), default="pp2vpp2")
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--min-size", type=int, default=512, help="min_offloaded_tensor_size (elements): what moves")
+    p.add_argument("--top", type=int, default=40)
+    p.add_argument("--json-out")
+
+
 def layout_job(rank: int, world_size: int, lib: str, vpp: int | None, args: dict[str, Any]) -> dict[str, Any]:
     """Worker: offloaded steps over the stub transport; the runtime's clock per step and, optionally, its breakdown."""
     from mcore_offload.summary import get_summary

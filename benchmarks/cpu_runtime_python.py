@@ -22,7 +22,6 @@ import cProfile
 import json
 import pstats
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -58,30 +57,13 @@ def job(rank: int, world_size: int, lib: str, vpp: int | None, args: dict[str, A
             "layer_microbatches_a_step": layer_mbs // args["steps"]}
 
 
-def measure(layout: str, args: dict[str, Any]) -> dict[str, Any]:
-    import cpu_transport_glue
-    from cpu_pipeline_host import LAYOUTS
-
-    from tests.harness.multiproc import run_multiprocess
-
-    pp, vpp = LAYOUTS[layout]
-    with tempfile.TemporaryDirectory() as tmp:
-        lib = cpu_transport_glue.stub_library(Path(tmp), real_copies=True)
-        return run_multiprocess(job, pp, args=(lib, vpp, args), timeout_s=600)[0]
-
-
 def main(argv: list[str] | None = None) -> int:
+    from cpu_pipeline_host import rank0_on_stub, stub_layout_args
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layout", choices=["pp1", "pp2vpp2"], default="pp2vpp2")  # cpu_pipeline_host.LAYOUTS
-    p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--warmup", type=int, default=4)
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--min-size", type=int, default=512, help="min_offloaded_tensor_size (bytes): what moves")
-    p.add_argument("--top", type=int, default=40)
-    p.add_argument("--json-out")
+    stub_layout_args(p, steps=4)
     args = p.parse_args(argv)
-    out = measure(args.layout, vars(args))
+    out = rank0_on_stub(job, args.layout, vars(args))
     print(f"rank 0, {args.layout}, {out['layer_microbatches_a_step']} layer-microbatches a step: "
           f"{out['calls_per_layer_mb']:.1f} Python calls of mcore_offload a layer-microbatch")
     print(f"  {'calls / layer-mb':>16} {'own µs / layer-mb':>18}  function")

@@ -397,3 +397,21 @@ def test_cpu_runtime_python_counts_the_points_entries_once_per_point_and_layer_m
     assert calls["offload"] == calls["commit"] and calls["offload"] >= 3 and calls["open_group"] == 1.0
     assert result["layer_microbatches_a_step"] == 8 and result["calls_per_layer_mb"] > calls["offload"] * 2
     assert "Python calls of mcore_offload a layer-microbatch" in proc.stdout
+
+
+def test_cpu_attr_counts_sums_per_layer_microbatch_by_type_and_name():
+    import cpu_attr_counts
+
+    out = cpu_attr_counts.per_layer_mb({"get A.x": 4, "get A.y": 2, "set B.z": 2}, 2)
+    assert (out["total"], out["get"], out["set"]) == (4.0, 3.0, 1.0)
+    assert out["by_type"] == [["get A", 3.0], ["set B", 1.0]]
+    assert out["by_name"] == [["get A.x", 2.0], ["get A.y", 1.0], ["set B.z", 1.0]]
+
+
+def test_the_counting_build_of_the_native_runtime_is_cached_under_a_name_of_its_own(monkeypatch):
+    from mcore_offload.runtime import native
+
+    monkeypatch.delenv("MCORE_OFFLOAD_NATIVE_COUNT_ATTRS", raising=False)
+    plain = native.build_name()
+    monkeypatch.setenv("MCORE_OFFLOAD_NATIVE_COUNT_ATTRS", "1")
+    assert native.counting_build() and native.build_name() != plain

@@ -52,7 +52,7 @@ SOURCES = tuple(Path(__file__).with_name(name)
                              "bursts.cpp", "pool_calls.cpp", "burst_clock.cpp", "entry.cpp", "reload.cpp",
                              "backward.cpp", "node_hooks.cpp", "points_block.cpp", "link_calls.cpp",
                              "summary_calls.cpp", "event_type.cpp", "layer_boundary.cpp",
-                             "manager_calls.cpp"))
+                             "manager_calls.cpp", "attr_counts.cpp"))
 HEADERS = (Path(__file__).with_name("common.h"),)
 MODES = ("auto", "0", "1")
 
@@ -85,12 +85,21 @@ def toolchain_missing() -> str | None:
     return None
 
 
+def counting_build() -> bool:
+    """``MCORE_OFFLOAD_NATIVE_COUNT_ATTRS=1``: a benchmark build that counts the runtime's generic attribute reads and
+    writes (``attr_counts()``; ``benchmarks/cpu_attr_counts.py``), cached under its own name. Slower: not for
+    training."""
+    return os.environ.get("MCORE_OFFLOAD_NATIVE_COUNT_ATTRS", "0") == "1"
+
+
 def build_name() -> str:
     """The extension's name: one per source text, torch version and Python version (a rebuild when any changes)."""
     key = hashlib.sha256()
     for path in (*SOURCES, *HEADERS):
         key.update(path.read_bytes())
     key.update(f"{torch.__version__}|{sys.version_info[:2]}|{sys.platform}".encode())
+    if counting_build():
+        key.update(b"|count-attrs")
     return f"mcore_offload_hooks_{key.hexdigest()[:12]}"
 
 
@@ -111,7 +120,7 @@ def build(verbose: bool = False) -> ModuleType:
         if not any(directory.glob(f"{name}*.so")):
             logger.info("mcore-offload: compiling the C++ saved-tensor hooks into %s (once; about 30 s)", directory)
         module = load(name=name, sources=[str(p) for p in SOURCES], build_directory=str(directory),
-                      extra_cflags=["-O2"], verbose=verbose)
+                      extra_cflags=["-O2", *(["-DMCO_COUNT_ATTRS"] if counting_build() else [])], verbose=verbose)
     module.init(torch.Tensor, torch.nn.Parameter)
     return module
 

@@ -60,18 +60,18 @@ PyObject* s_points;
 
 int set_long(PyObject* obj, PyObject* name, long value) {
   Ref v(PyLong_FromLong(value));
-  return v ? PyObject_SetAttr(obj, name, v.get()) : -1;
+  return v ? setattr_fast(obj, name, v.get()) : -1;
 }
 
 // obj.<name> = [] (a new list, as the Python code assigns)
 int set_empty_list(PyObject* obj, PyObject* name) {
   Ref v(PyList_New(0));
-  return v ? PyObject_SetAttr(obj, name, v.get()) : -1;
+  return v ? setattr_fast(obj, name, v.get()) : -1;
 }
 
 // list(seq) items of getattr(obj, name), as a fast sequence (nullptr: error)
 PyObject* attr_items(PyObject* obj, PyObject* name) {
-  Ref v(PyObject_GetAttr(obj, name));
+  Ref v(getattr_fast(obj, name));
   return v ? PySequence_Fast(v.get(), "a list was expected") : nullptr;
 }
 
@@ -79,7 +79,7 @@ enum PrefetchMode { kLayerMode, kLateMode, kTailMode, kOtherMode };
 
 // manager.prefetch, one of MCORE_OFFLOAD_PREFETCH's three spellings (kOtherMode: none of them; -1: error)
 int prefetch_mode(PyObject* manager) {
-  Ref mode(PyObject_GetAttr(manager, s_prefetch));
+  Ref mode(getattr_fast(manager, s_prefetch));
   if (!mode) return -1;
   const char* names[] = {"layer", "late", "tail"};
   for (int m = kLayerMode; m <= kTailMode; ++m) {
@@ -98,7 +98,7 @@ int late_for(PyObject* handler, int mode, long layer) {
     return answer ? PyObject_IsTrue(answer.get()) : -1;
   }
   // tail: late in the chunk's last layer where that layer came back from the host
-  Ref groups(PyObject_GetAttr(handler, s_groups));
+  Ref groups(getattr_fast(handler, s_groups));
   if (!groups) return -1;
   if (!PyList_Check(groups.get()) || PyList_GET_SIZE(groups.get()) == 0) {
     PyErr_SetString(PyExc_RuntimeError, "mcore-offload: a group's backward in a chunk without committed groups; "
@@ -117,12 +117,12 @@ int late_for(PyObject* handler, int mode, long layer) {
 // the group's first point where it spans several and handler.manager.split_chains holds; else None. A new reference
 // (nullptr: error).
 PyObject* split_first_point(PyObject* handler, PyObject* group) {
-  Ref points(PyObject_GetAttr(group, s_points));
+  Ref points(getattr_fast(group, s_points));
   if (!points) return nullptr;
   Py_ssize_t n = PyObject_Length(points.get());
   if (n < 0) return nullptr;
   if (n < 2) Py_RETURN_NONE;
-  Ref manager(PyObject_GetAttr(handler, s_manager));
+  Ref manager(getattr_fast(handler, s_manager));
   int split = manager ? attr_true(manager.get(), s_split_chains) : -1;
   if (split < 0) return nullptr;
   if (!split) Py_RETURN_NONE;
@@ -132,7 +132,7 @@ PyObject* split_first_point(PyObject* handler, PyObject* group) {
 // 1 where entry.point equals ``point`` (a str, or None: never), 0 where not, -1 error
 int of_point(PyObject* entry, PyObject* point) {
   if (point == Py_None) return 0;
-  Ref p(PyObject_GetAttr(entry, s_point));
+  Ref p(getattr_fast(entry, s_point));
   return p ? PyObject_RichCompareBool(p.get(), point, Py_EQ) : -1;
 }
 
@@ -161,7 +161,7 @@ int append_parts(PyObject* handler, PyObject* group, PyObject* run, PyObject* ne
 // ``reach``, one list per group that has any (two for a split chain: append_parts), appended to ``needed`` in backward
 // order (-1: error)
 int on_host_down_to(PyObject* handler, long index, long reach, PyObject* needed) {
-  Ref groups(PyObject_GetAttr(handler, s_groups));
+  Ref groups(getattr_fast(handler, s_groups));
   if (!groups) return -1;
   if (!PyList_Check(groups.get())) {
     PyErr_SetString(PyExc_TypeError, "handler.groups must be a list");
@@ -180,8 +180,8 @@ int on_host_down_to(PyObject* handler, long index, long reach, PyObject* needed)
     if (!run) return -1;
     for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(seq.get()); ++k) {
       PyObject* e = PySequence_Fast_GET_ITEM(seq.get(), k);
-      Ref storage(PyObject_GetAttr(e, s_device_storage));
-      Ref host(storage ? PyObject_GetAttr(e, s_host) : nullptr);
+      Ref storage(getattr_fast(e, s_device_storage));
+      Ref host(storage ? getattr_fast(e, s_host) : nullptr);
       if (!host) return -1;
       if (storage.get() == Py_None && host.get() != Py_None && PyList_Append(run.get(), e) < 0) return -1;
     }
@@ -223,16 +223,16 @@ int prefetch(PyObject* handler, PyObject* group, int mode) {
 int commit_fast_path(PyObject* handler, PyObject* manager) {
   int started = attr_true(handler, s_backward_started);  // the chunk's first group settles what forward left
   if (started <= 0) return started;
-  Ref chain(PyObject_GetAttr(manager, s_chain));  // manager.on_backward closes an open chain
+  Ref chain(getattr_fast(manager, s_chain));  // manager.on_backward closes an open chain
   if (!chain) return -1;
   if (chain.get() != Py_None) return 0;
-  Ref fwd(PyObject_GetAttr(manager, s_forward_handler));  // and flushes another chunk's pending groups
+  Ref fwd(getattr_fast(manager, s_forward_handler));  // and flushes another chunk's pending groups
   if (!fwd) return -1;
   if (fwd.get() != Py_None && fwd.get() != handler) {
     int pending = attr_true(fwd.get(), s_pending);
     if (pending != 0) return pending < 0 ? -1 : 0;
   }
-  Ref marks(PyObject_GetAttr(handler, s_marks));  // the auto probe's clock marks
+  Ref marks(getattr_fast(handler, s_marks));  // the auto probe's clock marks
   if (!marks) return -1;
   if (marks.get() != Py_None) return 0;
   long k = attr_long(manager, s_reload_layers);  // bursts of several layers
@@ -272,13 +272,13 @@ int wait_latest(PyObject* handler, PyObject* group, PyObject* entries) {
   if (latest < 0) return 0;
   for (Py_ssize_t i = 0; i < n; ++i) {
     if (open[i] && (!split || seqs[i] <= seqs[latest]) &&
-        PyObject_SetAttr(PySequence_Fast_GET_ITEM(seq.get(), i), s_compute_waited, Py_True) < 0)
+        setattr_fast(PySequence_Fast_GET_ITEM(seq.get(), i), s_compute_waited, Py_True) < 0)
       return -1;
   }
   PyObject* entry = PySequence_Fast_GET_ITEM(seq.get(), latest);
-  Ref transport(PyObject_GetAttr(handler, s_transport));
-  Ref event(transport ? PyObject_GetAttr(entry, s_h2d_event) : nullptr);
-  Ref latest_seq(event ? PyObject_GetAttr(entry, s_h2d_seq) : nullptr);
+  Ref transport(getattr_fast(handler, s_transport));
+  Ref event(transport ? getattr_fast(entry, s_h2d_event) : nullptr);
+  Ref latest_seq(event ? getattr_fast(entry, s_h2d_seq) : nullptr);
   return latest_seq ? wait_reload(transport.get(), event.get(), latest_seq.get()) : -1;
 }
 
@@ -286,22 +286,22 @@ int wait_latest(PyObject* handler, PyObject* group, PyObject* entries) {
 
 // handler.on_group_commit_backward's common case: 1 done, 0 nothing done (the Python method must run), -1 error set
 int commit_backward_impl(PyObject* handler, PyObject* group) {
-  Ref manager(PyObject_GetAttr(handler, s_manager));
+  Ref manager(getattr_fast(handler, s_manager));
   if (!manager) return -1;
   int fast = commit_fast_path(handler, manager.get());
   int mode = fast > 0 ? prefetch_mode(manager.get()) : 0;
   if (fast < 0 || mode < 0) return -1;
   if (fast == 0) return 0;
   // manager.on_backward, with no chain to close and no other chunk to flush: _forward_ended's layer count
-  Ref layers(PyObject_GetAttr(handler, s_layers));
+  Ref layers(getattr_fast(handler, s_layers));
   int any = layers ? PyObject_IsTrue(layers.get()) : -1;
   if (any < 0) return -1;
   if (any) {
-    Ref chunk_layers(PyObject_GetAttr(manager.get(), s_chunk_layers));
-    Ref vp(chunk_layers ? PyObject_GetAttr(handler, s_vp_stage) : nullptr);
+    Ref chunk_layers(getattr_fast(manager.get(), s_chunk_layers));
+    Ref vp(chunk_layers ? getattr_fast(handler, s_vp_stage) : nullptr);
     if (!vp || PyObject_SetItem(chunk_layers.get(), vp.get(), layers.get()) < 0) return -1;
   }
-  Ref entries(PyObject_GetAttr(group, s_entries));
+  Ref entries(getattr_fast(group, s_entries));
   Ref parts(entries && PyList_Check(entries.get()) ? PyList_New(0) : nullptr);
   if (entries && !parts && !PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "group.entries must be a list");
   Ref runs(parts && append_parts(handler, group, entries.get(), parts.get()) == 0 ? PyList_AsTuple(parts.get())
@@ -320,21 +320,21 @@ int commit_backward_impl(PyObject* handler, PyObject* group) {
 int group_done_impl(PyObject* handler, PyObject* group) {
   int done = attr_true(group, s_done);
   if (done != 0) return done < 0 ? -1 : 1;
-  Ref manager(PyObject_GetAttr(handler, s_manager));
-  Ref chain(manager ? PyObject_GetAttr(manager.get(), s_chain) : nullptr);
+  Ref manager(getattr_fast(handler, s_manager));
+  Ref chain(manager ? getattr_fast(manager.get(), s_chain) : nullptr);
   if (!chain) return -1;
   if (chain.get() != Py_None) return 0;  // the method lets go of a broken chain's group
-  if (PyObject_SetAttr(group, s_done, Py_True) < 0) return -1;
+  if (setattr_fast(group, s_done, Py_True) < 0) return -1;
   Ref seq(attr_items(group, s_entries));
   if (!seq) return -1;
   for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq.get()); ++i) {
     PyObject* e = PySequence_Fast_GET_ITEM(seq.get(), i);
     long users = attr_long(e, s_users);
     if ((users == -1 && PyErr_Occurred()) || set_long(e, s_users, users - 1) < 0) return -1;
-    if (users - 1 == 0 && PyObject_SetAttr(e, s_device_storage, Py_None) < 0) return -1;
+    if (users - 1 == 0 && setattr_fast(e, s_device_storage, Py_None) < 0) return -1;
   }
   long index = attr_long(group, s_index);
-  Ref groups(index == -1 && PyErr_Occurred() ? nullptr : PyObject_GetAttr(handler, s_groups));
+  Ref groups(index == -1 && PyErr_Occurred() ? nullptr : getattr_fast(handler, s_groups));
   if (!groups) return -1;
   if (index >= 0) {  // one of handler.groups (a group that saved nothing was never committed there)
     if (add_to_attr(handler, s_groups_done, 1) < 0) return -1;
@@ -396,15 +396,15 @@ PyObject* module_finish_release(PyObject*, PyObject* args) {
   HANDLE_TH_ERRORS
   PyObject *handler, *pool;
   if (!PyArg_ParseTuple(args, "OO", &handler, &pool)) return nullptr;
-  Ref transport(PyObject_GetAttr(handler, s_transport));
-  Ref manager(transport ? PyObject_GetAttr(handler, s_manager) : nullptr);
+  Ref transport(getattr_fast(handler, s_transport));
+  Ref manager(transport ? getattr_fast(handler, s_manager) : nullptr);
   Ref groups(manager ? attr_items(handler, s_groups) : nullptr);
   Ref freed(groups ? PyList_New(0) : nullptr);
   if (!freed) return nullptr;
   Ref free_by_class, routed_owner;
   if (pool != Py_None) {
-    free_by_class.reset(PyObject_GetAttr(pool, s_free));
-    routed_owner.reset(free_by_class ? PyObject_GetAttr(pool, s_routed_owner) : nullptr);
+    free_by_class.reset(getattr_fast(pool, s_free));
+    routed_owner.reset(free_by_class ? getattr_fast(pool, s_routed_owner) : nullptr);
     if (!routed_owner) return nullptr;
   }
   // each entry once (groups that save views of one storage share its entry); the next writer of a buffer waits for
@@ -416,11 +416,11 @@ PyObject* module_finish_release(PyObject*, PyObject* args) {
     for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq.get()); ++i) {
       PyObject* e = PySequence_Fast_GET_ITEM(seq.get(), i);
       if (seen.count(e)) continue;
-      Ref host(PyObject_GetAttr(e, s_host));
+      Ref host(getattr_fast(e, s_host));
       if (!host) return nullptr;
       if (host.get() == Py_None) continue;
       seen.insert(e);
-      Ref event(PyObject_GetAttr(e, s_h2d_event));
+      Ref event(getattr_fast(e, s_h2d_event));
       if (!event) return nullptr;
       if (pool != Py_None) {
         if (release_fast(pool, free_by_class.get(), routed_owner.get(), host.get(), event.get()) < 0) return nullptr;
@@ -435,7 +435,7 @@ PyObject* module_finish_release(PyObject*, PyObject* args) {
   if (PyList_GET_SIZE(freed.get()) > 0 && hosts_freed(manager.get(), freed.get()) < 0) return nullptr;
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(freed.get()); ++i) {
     PyObject* e = PyList_GET_ITEM(freed.get(), i);
-    if (PyObject_SetAttr(e, s_host, Py_None) < 0 || PyObject_SetAttr(e, s_device_storage, Py_None) < 0)
+    if (setattr_fast(e, s_host, Py_None) < 0 || setattr_fast(e, s_device_storage, Py_None) < 0)
       return nullptr;
   }
   // every reference the handler holds goes (see handler.finish: autograd, not the cyclic collector, frees them)
@@ -443,19 +443,19 @@ PyObject* module_finish_release(PyObject*, PyObject* args) {
   if (!opened) return nullptr;
   for (Py_ssize_t g = 0; g < PySequence_Fast_GET_SIZE(opened.get()); ++g) {
     PyObject* group = PySequence_Fast_GET_ITEM(opened.get(), g);
-    Ref refs(PyObject_GetAttr(group, s_refs));
-    Ref entries(refs ? PyObject_GetAttr(group, s_entries) : nullptr);
+    Ref refs(getattr_fast(group, s_refs));
+    Ref entries(refs ? getattr_fast(group, s_entries) : nullptr);
     if (!entries || !PyList_Check(refs.get()) || !PyList_Check(entries.get())) {
       if (entries) PyErr_SetString(PyExc_TypeError, "group.refs and group.entries must be lists");
       return nullptr;
     }
     if (PyList_SetSlice(refs.get(), 0, PY_SSIZE_T_MAX, nullptr) < 0) return nullptr;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(entries.get()); ++i) {
-      if (PyObject_SetAttr(PyList_GET_ITEM(entries.get(), i), s_storage_ref, Py_None) < 0) return nullptr;
+      if (setattr_fast(PyList_GET_ITEM(entries.get(), i), s_storage_ref, Py_None) < 0) return nullptr;
     }
     if (PyList_SetSlice(entries.get(), 0, PY_SSIZE_T_MAX, nullptr) < 0) return nullptr;
   }
-  Ref live(PyObject_GetAttr(handler, s_live));
+  Ref live(getattr_fast(handler, s_live));
   if (!live || set_empty_list(handler, s_groups) < 0 || set_empty_list(handler, s_pending) < 0 ||
       set_empty_list(handler, s_opened) < 0)
     return nullptr;

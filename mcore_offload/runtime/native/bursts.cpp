@@ -257,7 +257,7 @@ PyObject* module_to_host_burst(PyObject*, PyObject* args) {
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* event = reuse_events[i];
     if (event == Py_None || event == waited) continue;
-    PyObject* seq = PyObject_GetAttr(event, s_reload_seq);
+    PyObject* seq = getattr_fast(event, s_reload_seq);
     if (seq == nullptr) return nullptr;
     long long s = seq == Py_None ? -1 : PyLong_AsLongLong(seq);
     Py_DECREF(seq);
@@ -410,7 +410,7 @@ PyObject* module_to_device_burst(PyObject*, PyObject* args) {
     if (done == nullptr) return nullptr;
     // The number the handler gives this part right after (Transport.wait_reload), for to_host's reuse check
     PyObject* seq = PyLong_FromUnsignedLongLong(reload_seq + 1 + p);
-    int rc = seq ? PyObject_SetAttr(done, s_reload_seq, seq) : -1;
+    int rc = seq ? setattr_fast(done, s_reload_seq, seq) : -1;
     Py_XDECREF(seq);
     if (rc == 0) rc = PyList_Append(events, done);
     Py_DECREF(done);

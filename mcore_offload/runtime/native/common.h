@@ -20,6 +20,18 @@
 #include <initializer_list>
 #include <vector>
 
+// A benchmark build (MCORE_OFFLOAD_NATIVE_COUNT_ATTRS=1, see __init__.py) counts every generic attribute read and
+// write the runtime makes, by type and name (attr_counts.cpp, benchmarks/cpu_attr_counts.py): the C-API traffic that
+// session 45's perf profile put at half of the runtime's host time. Off in every other build.
+#ifdef MCO_COUNT_ATTRS
+namespace mco {
+PyObject* counted_getattr(PyObject* obj, PyObject* name);
+int counted_setattr(PyObject* obj, PyObject* name, PyObject* value);
+}  // namespace mco
+#define PyObject_GetAttr(obj, name) mco::counted_getattr(obj, name)
+#define PyObject_SetAttr(obj, name, value) mco::counted_setattr(obj, name, value)
+#endif
+
 namespace mco {
 
 // Storage and view construction that skips what at::empty adds under torch.use_deterministic_algorithms(True): a fill
@@ -249,6 +261,9 @@ class BurstLap {
 };
 extern PyMethodDef burst_clock_methods[];
 
+// attr_counts.cpp: attr_counts() in a counting build (see MCO_COUNT_ATTRS above), nothing otherwise
+extern PyMethodDef attr_count_methods[];
+
 // pool_calls.cpp: HostBufferPool.acquire_base's common answers, a new (buffer, event) reference; nullptr without an
 // error where the Python method must decide, nullptr with an error set on an error
 PyObject* acquire_fast(PyObject* pool, long long nbytes, PyObject* routed);
@@ -263,6 +278,29 @@ PyObject* new_entry(PyObject* point, PyObject* nbytes, PyObject* host, PyObject*
 PyObject* new_released(PyObject* handler, PyObject* ptr, PyObject* entry);
 void entry_set_storage_ref(PyObject* entry, PyObject* weak);
 bool entry_types_ready(PyObject* module);
+// The field of an Entry named by an interned string, or nullptr where ``obj`` is not an Entry or ``name`` is not one
+// of its fields (or not interned): getattr_fast / setattr_fast then take the generic attribute path
+PyObject** entry_slot(PyObject* obj, PyObject* name);
+
+// getattr / setattr that read and write an Entry's field directly. Why: an Entry is touched about 160 times a
+// layer-microbatch (copy-out, release, reload, backward); the generic path looks the name up in the type's MRO and
+// goes through its member descriptor each time. Same results as PyObject_GetAttr / PyObject_SetAttr for an Entry
+// (a T_OBJECT member: an unset field reads as None), and the generic path for any other object.
+inline PyObject* getattr_fast(PyObject* obj, PyObject* name) {
+  if (PyObject** slot = entry_slot(obj, name)) {
+    PyObject* v = *slot != nullptr ? *slot : Py_None;
+    Py_INCREF(v);
+    return v;
+  }
+  return PyObject_GetAttr(obj, name);
+}
+inline int setattr_fast(PyObject* obj, PyObject* name, PyObject* value) {
+  PyObject** slot = value != nullptr ? entry_slot(obj, name) : nullptr;  // a delete takes the generic path
+  if (slot == nullptr) return PyObject_SetAttr(obj, name, value);
+  Py_INCREF(value);
+  Py_XSETREF(*slot, value);
+  return 0;
+}
 
 // held_checks.cpp, for copy_out: a new reference to ref.tensor (nullptr without an error if None or unset); the
 // coverage check; whether another tensor keeps a storage (1), not (0), error (-1)

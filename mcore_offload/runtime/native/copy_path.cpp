@@ -196,7 +196,7 @@ int make_entries(PyObject* handler, PyObject* live, const std::vector<ToCopy>& t
   for (size_t i = 0; i < todo.size(); ++i) {
     const ToCopy& c = todo[i];
     PyObject* first = PyList_GET_ITEM(c.refs, 0);
-    PyObject* point = PyObject_GetAttr(first, s_point);
+    PyObject* point = getattr_fast(first, s_point);
     if (point == nullptr) return -1;
     int64_t n = static_cast<int64_t>(THPStorage_Unpack(c.storage).nbytes());
     PyObject* nbytes = PyLong_FromLongLong(n);

@@ -35,6 +35,15 @@ struct Entry {
 PyMemberDef entry_members[] = {MCO_ENTRY_FIELDS(MCO_MEMBER){nullptr, 0, 0, 0, nullptr}};
 #undef MCO_MEMBER
 
+// the fields' names, interned at entry_types_ready (the same objects as every MCO_NAME / s_* of that text)
+#define MCO_FIELD_NAME(name) nullptr,
+PyObject* field_names[] = {MCO_ENTRY_FIELDS(MCO_FIELD_NAME)};
+#undef MCO_FIELD_NAME
+constexpr size_t kFields = sizeof(field_names) / sizeof(field_names[0]);
+#define MCO_FIELD_OFFSET(name) offsetof(Entry, name),
+constexpr size_t field_offsets[] = {MCO_ENTRY_FIELDS(MCO_FIELD_OFFSET)};
+#undef MCO_FIELD_OFFSET
+
 int entry_traverse(Entry* self, visitproc visit, void* arg) {
 #define MCO_VISIT(name) Py_VISIT(self->name);
   MCO_ENTRY_FIELDS(MCO_VISIT)
@@ -144,8 +153,8 @@ int count_released(PyObject* manager, PyObject* entry, bool during_forward) {
     Py_DECREF(summary);
     return tracing < 0 ? -1 : 0;
   }
-  PyObject* point = PyObject_GetAttr(entry, s_point);
-  PyObject* nbytes_obj = point ? PyObject_GetAttr(entry, s_nbytes) : nullptr;
+  PyObject* point = getattr_fast(entry, s_point);
+  PyObject* nbytes_obj = point ? getattr_fast(entry, s_nbytes) : nullptr;
   long long nbytes = nbytes_obj ? PyLong_AsLongLong(nbytes_obj) : -1;
   int rc = nbytes == -1 && PyErr_Occurred() ? -1 : 0;
   if (rc == 0) {  // summary.add(point, counter, nbytes), as a burst's totals are counted
@@ -153,12 +162,12 @@ int count_released(PyObject* manager, PyObject* entry, bool during_forward) {
     released.add(point, nbytes);
     rc = released.report(summary, during_forward ? s_released_in_forward : s_released_late);
   }
-  PyObject* host = rc == 0 ? PyObject_GetAttr(entry, s_host) : nullptr;
-  PyObject* device = host ? PyObject_GetAttr(entry, s_device_storage) : nullptr;
+  PyObject* host = rc == 0 ? getattr_fast(entry, s_host) : nullptr;
+  PyObject* device = host ? getattr_fast(entry, s_device_storage) : nullptr;
   if (device == nullptr) {
     rc = -1;
   } else if (host != Py_None && device == Py_None) {
-    rc = PyObject_SetAttr(entry, s_off_device, Py_True) < 0 || add_to_attr(summary, s_off_device_bytes, nbytes) < 0
+    rc = setattr_fast(entry, s_off_device, Py_True) < 0 || add_to_attr(summary, s_off_device_bytes, nbytes) < 0
              ? -1
              : 0;
   }
@@ -217,11 +226,25 @@ PyObject* new_released(PyObject* handler, PyObject* ptr, PyObject* entry) {
   return reinterpret_cast<PyObject*>(self);
 }
 
+PyObject** entry_slot(PyObject* obj, PyObject* name) {
+  if (Py_TYPE(obj) != &EntryType) return nullptr;
+  for (size_t i = 0; i < kFields; ++i)
+    if (field_names[i] == name) return reinterpret_cast<PyObject**>(reinterpret_cast<char*>(obj) + field_offsets[i]);
+  return nullptr;
+}
+
 void entry_set_storage_ref(PyObject* entry, PyObject* weak) {
   Py_XSETREF(reinterpret_cast<Entry*>(entry)->storage_ref, weak);
 }
 
 bool entry_types_ready(PyObject* module) {
+  static const char* const texts[] = {
+#define MCO_FIELD_TEXT(name) #name,
+      MCO_ENTRY_FIELDS(MCO_FIELD_TEXT)
+#undef MCO_FIELD_TEXT
+  };
+  for (size_t i = 0; i < kFields; ++i)
+    if (field_names[i] == nullptr && (field_names[i] = PyUnicode_InternFromString(texts[i])) == nullptr) return false;
   EntryType.tp_name = "mcore_offload_native.Entry";
   EntryType.tp_basicsize = sizeof(Entry);
   EntryType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC;

@@ -197,7 +197,7 @@ PyObject* packer_pack(Packer* self, PyObject* saved) {
     // subclasses, other layouts: the Python hook decides (and counts the reason)
     return PyObject_CallMethodObjArgs(self->handler, s_tensor_push, saved, self->group, self->point, nullptr);
   }
-  PyObject* finished = PyObject_GetAttr(self->handler, s_finished);
+  PyObject* finished = getattr_fast(self->handler, s_finished);
   if (finished == nullptr) return nullptr;
   int done = PyObject_IsTrue(finished);
   Py_DECREF(finished);
@@ -371,9 +371,9 @@ PyObject* unpacker_unpack(Unpacker* self, PyObject* tag) {
   PyObject* storage = nullptr;
   int waited = 0;
   if (ref->entry != nullptr && ref->entry != Py_None) {
-    storage = PyObject_GetAttr(ref->entry, s_device_storage);
+    storage = getattr_fast(ref->entry, s_device_storage);
     if (storage == nullptr) return nullptr;
-    PyObject* flag = PyObject_GetAttr(ref->entry, s_compute_waited);
+    PyObject* flag = getattr_fast(ref->entry, s_compute_waited);
     if (flag == nullptr) {
       Py_DECREF(storage);
       return nullptr;
@@ -384,10 +384,10 @@ PyObject* unpacker_unpack(Unpacker* self, PyObject* tag) {
   if (storage != nullptr && storage != Py_None && !waited) {
     // back, not yet waited for (a split chain's first point): handler._rebuild's wait (link_calls.cpp)
     Ref transport(get_attr(self->handler, MCO_NAME("transport")));
-    Ref event(transport ? PyObject_GetAttr(ref->entry, s_h2d_event) : nullptr);
-    Ref seq(event ? PyObject_GetAttr(ref->entry, s_h2d_seq) : nullptr);
+    Ref event(transport ? getattr_fast(ref->entry, s_h2d_event) : nullptr);
+    Ref seq(event ? getattr_fast(ref->entry, s_h2d_seq) : nullptr);
     waited = seq && wait_reload(transport.get(), event.get(), seq.get()) == 0 &&
-             PyObject_SetAttr(ref->entry, s_compute_waited, Py_True) == 0;
+             setattr_fast(ref->entry, s_compute_waited, Py_True) == 0;
     if (!waited) {
       Py_DECREF(storage);
       return nullptr;

@@ -26,7 +26,7 @@ int hosts_freed(PyObject* manager, PyObject* freed) {
     int off = attr_true(e, s_off_device);
     if (off < 0) return -1;
     if (off) {  // manager._back_on_device
-      if (PyObject_SetAttr(e, s_off_device, Py_False) < 0) return -1;
+      if (setattr_fast(e, s_off_device, Py_False) < 0) return -1;
       back += n;
     }
   }

@@ -44,14 +44,14 @@ int64_t now_ns() {
 }
 
 int add_to_attr(PyObject* obj, PyObject* name, int64_t delta) {
-  PyObject* cur = PyObject_GetAttr(obj, name);
+  PyObject* cur = getattr_fast(obj, name);
   if (cur == nullptr) return -1;
   PyObject* step = PyLong_FromLongLong(delta);
   PyObject* sum = step ? PyNumber_Add(cur, step) : nullptr;
   Py_DECREF(cur);
   Py_XDECREF(step);
   if (sum == nullptr) return -1;
-  int rc = PyObject_SetAttr(obj, name, sum);
+  int rc = setattr_fast(obj, name, sum);
   Py_DECREF(sum);
   return rc;
 }
@@ -78,10 +78,10 @@ static int add_to_item(PyObject* dict, PyObject* key, long long delta) {
   return rc;
 }
 
-PyObject* get_attr(PyObject* obj, PyObject* name) { return name_ok(name) ? PyObject_GetAttr(obj, name) : nullptr; }
+PyObject* get_attr(PyObject* obj, PyObject* name) { return name_ok(name) ? getattr_fast(obj, name) : nullptr; }
 
 int set_attr(PyObject* obj, PyObject* name, PyObject* value) {
-  return name_ok(name) ? PyObject_SetAttr(obj, name, value) : -1;
+  return name_ok(name) ? setattr_fast(obj, name, value) : -1;
 }
 
 PyObject* call_method(PyObject* obj, PyObject* name, std::initializer_list<PyObject*> args) {
@@ -101,7 +101,7 @@ PyObject* call_method(PyObject* obj, PyObject* name, std::initializer_list<PyObj
 }
 
 int attr_true(PyObject* obj, PyObject* name) {
-  Ref v(PyObject_GetAttr(obj, name));
+  Ref v(getattr_fast(obj, name));
   return v ? PyObject_IsTrue(v.get()) : -1;
 }
 
@@ -297,7 +297,8 @@ PyMODINIT_FUNC MCO_CONCAT(PyInit_, TORCH_EXTENSION_NAME)(void) {
       PyModule_AddFunctions(m, burst_methods) < 0 || PyModule_AddFunctions(m, burst_clock_methods) < 0 ||
       PyModule_AddFunctions(m, node_hook_methods) < 0 || PyModule_AddFunctions(m, backward_methods) < 0 ||
       PyModule_AddFunctions(m, point_methods) < 0 || PyModule_AddFunctions(m, link_call_methods) < 0 ||
-      PyModule_AddFunctions(m, layer_boundary_methods) < 0 || !event_type_ready(m) || !point_types_ready(m) || !entry_types_ready(m)) {
+      PyModule_AddFunctions(m, layer_boundary_methods) < 0 ||
+      PyModule_AddFunctions(m, attr_count_methods) < 0 || !event_type_ready(m) || !point_types_ready(m) || !entry_types_ready(m)) {
     Py_DECREF(m);
     return nullptr;
   }

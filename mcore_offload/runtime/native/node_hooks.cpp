@@ -77,7 +77,7 @@ struct GroupHook : torch::autograd::FunctionPreHook {
       Py_XDECREF(out);
     }
     if (rc > 0) {
-      Ref summary(PyObject_GetAttr(handler_, s_summary));
+      Ref summary(getattr_fast(handler_, s_summary));
       rc = summary && add_runtime(summary.get(), now_ns() - t0) == 0 ? 1 : -1;
     }
     if (rc < 0) {

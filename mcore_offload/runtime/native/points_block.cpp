@@ -112,7 +112,7 @@ int in_backward() {
 // name in handler.enabled_points and grad mode on and no backward running: handler_for's answer for the forward
 // chunk's own config without auto (1 on, 0 off, -1 error)
 int point_on(PyObject* handler, PyObject* name) {
-  Ref enabled(PyObject_GetAttr(handler, s_enabled_points));
+  Ref enabled(getattr_fast(handler, s_enabled_points));
   if (!enabled) return -1;
   int in = PySequence_Contains(enabled.get(), name);
   if (in <= 0) return in;
@@ -123,7 +123,7 @@ int point_on(PyObject* handler, PyObject* name) {
 
 // manager.summary.runtime_ns += ns (-1: error)
 int add_manager_runtime(PyObject* manager, int64_t ns) {
-  Ref summary(PyObject_GetAttr(manager, s_summary));
+  Ref summary(getattr_fast(manager, s_summary));
   return summary ? add_runtime(summary.get(), ns) : -1;
 }
 
@@ -172,8 +172,8 @@ PyObject* new_block(PyObject* manager, PyObject* handler, PyObject* name, PyObje
 
 // The group's state at entry (what _OffloadBlock keeps to tell, at exit, whether the block saved anything)
 int note_group_state(Block* self) {
-  Ref refs(PyObject_GetAttr(self->group, s_refs));
-  Ref rejected(refs ? PyObject_GetAttr(self->group, s_rejected) : nullptr);
+  Ref refs(getattr_fast(self->group, s_refs));
+  Ref rejected(refs ? getattr_fast(self->group, s_rejected) : nullptr);
   if (!rejected) return -1;
   self->refs_before = PyObject_Length(refs.get());
   if (self->refs_before < 0) return -1;
@@ -187,7 +187,7 @@ int note_group_state(Block* self) {
     }
     Py_XSETREF(self->rejected_before, copy);
   }
-  Ref parameters(PyObject_GetAttr(self->group, s_parameters));
+  Ref parameters(getattr_fast(self->group, s_parameters));
   if (!parameters) return -1;
   self->parameters_before = PyLong_AsLongLong(parameters.get());
   return self->parameters_before == -1 && PyErr_Occurred() ? -1 : 0;
@@ -222,14 +222,14 @@ PyObject* block_enter(PyObject* obj, PyObject*) {
       }
     }
   } else {
-    Ref points(PyObject_GetAttr(self->group, s_points));
+    Ref points(getattr_fast(self->group, s_points));
     if (!points || PyList_Append(points.get(), self->name) < 0) return nullptr;
   }
   if (note_group_state(self) < 0) return nullptr;
   Ref pack(PyObject_CallFunctionObjArgs(reinterpret_cast<PyObject*>(&PackerType), self->handler, self->group,
                                         self->name, nullptr));
   Ref unpack(pack ? PyObject_CallOneArg(reinterpret_cast<PyObject*>(&UnpackerType), self->handler) : nullptr);
-  Ref push(unpack ? PyObject_GetAttr(g_calls.points, s_push_hooks) : nullptr);
+  Ref push(unpack ? getattr_fast(g_calls.points, s_push_hooks) : nullptr);
   Ref pushed(push ? PyObject_CallFunctionObjArgs(push.get(), pack.get(), unpack.get(), nullptr) : nullptr);
   if (!pushed || add_manager_runtime(self->manager, now_ns() - t0) < 0) return nullptr;
   Py_INCREF(tensor.get());
@@ -244,18 +244,18 @@ PyObject* block_exit(PyObject* obj, PyObject* args) {
   if (!PyArg_ParseTuple(args, "OOO", &exc_type, &exc, &tb)) return nullptr;
   if (self->handler == nullptr || self->group == nullptr) Py_RETURN_NONE;
   int64_t t0 = now_ns();
-  Ref pop(PyObject_GetAttr(g_calls.points, s_pop_hooks));
+  Ref pop(getattr_fast(g_calls.points, s_pop_hooks));
   Ref popped(pop ? PyObject_CallNoArgs(pop.get()) : nullptr);
   if (!popped) return nullptr;
   if (exc_type == Py_None) {  // a block that raised leaves its group uncommitted (finish() cuts it loose)
-    Ref open_groups(PyObject_GetAttr(self->manager, s_open_groups));
+    Ref open_groups(getattr_fast(self->manager, s_open_groups));
     Ref opened(open_groups ? PyTuple_Pack(2, self->handler, self->group) : nullptr);
     if (!opened || PyObject_SetItem(open_groups.get(), self->name, opened.get()) < 0) return nullptr;
-    Ref refs(PyObject_GetAttr(self->group, s_refs));
+    Ref refs(getattr_fast(self->group, s_refs));
     Py_ssize_t n = refs ? PyObject_Length(refs.get()) : -1;
     if (n < 0) return nullptr;
     if (n == self->refs_before) {  // saved nothing to offload: its log line, written once (then nothing to build)
-      Ref announced(PyObject_GetAttr(self->manager, s_announced_points));
+      Ref announced(getattr_fast(self->manager, s_announced_points));
       int known = announced ? PySequence_Contains(announced.get(), self->name) : -1;
       if (known < 0) return nullptr;
       if (!known) {
@@ -290,19 +290,19 @@ PyObject* module_offload_block(PyObject*, PyObject* const* args, Py_ssize_t narg
   PyObject *manager = args[0], *name = args[1], *config = args[2], *tensor = args[3];
   if (!calls_ready()) return nullptr;
   if (reinterpret_cast<PyObject*>(Py_TYPE(tensor)) != g_tensor_type) Py_RETURN_NONE;  // a subclass: the Python block
-  Ref push(PyObject_GetAttr(g_calls.points, s_push_hooks));
-  Ref pop(push ? PyObject_GetAttr(g_calls.points, s_pop_hooks) : nullptr);
+  Ref push(getattr_fast(g_calls.points, s_push_hooks));
+  Ref pop(push ? getattr_fast(g_calls.points, s_pop_hooks) : nullptr);
   if (!pop) return nullptr;
   if (push.get() == Py_None || pop.get() == Py_None) Py_RETURN_NONE;  // the context-manager fallback: Python's
-  Ref forward(PyObject_GetAttr(manager, s_forward_handler));
-  Ref own(forward && forward.get() != Py_None ? PyObject_GetAttr(forward.get(), s_config) : nullptr);
-  Ref autoplan(own ? PyObject_GetAttr(manager, s_auto) : nullptr);
+  Ref forward(getattr_fast(manager, s_forward_handler));
+  Ref own(forward && forward.get() != Py_None ? getattr_fast(forward.get(), s_config) : nullptr);
+  Ref autoplan(own ? getattr_fast(manager, s_auto) : nullptr);
   if (!autoplan) return PyErr_Occurred() ? nullptr : (Py_INCREF(Py_None), Py_None);
   if (own.get() != config || autoplan.get() != Py_None) Py_RETURN_NONE;
   int on = point_on(forward.get(), name);
   if (on < 0) return nullptr;
   if (!on) return new_block(manager, nullptr, name, tensor, nullptr);
-  Ref chain(PyObject_GetAttr(manager, s_chain));
+  Ref chain(getattr_fast(manager, s_chain));
   if (!chain) return nullptr;
   PyObject* joined = nullptr;  // borrowed from ``chain``
   if (chain.get() != Py_None) {
@@ -312,7 +312,7 @@ PyObject* module_offload_block(PyObject*, PyObject* const* args, Py_ssize_t narg
     if (same < 0) return nullptr;
     if (same) {  // the previous point left its group open for this one
       joined = PyTuple_GET_ITEM(chain.get(), 1);
-      if (PyObject_SetAttr(manager, s_chain, Py_None) < 0) return nullptr;
+      if (setattr_fast(manager, s_chain, Py_None) < 0) return nullptr;
     } else {
       Ref r(PyObject_CallMethodObjArgs(manager, s_close_chain, nullptr));
       if (!r) return nullptr;
@@ -411,9 +411,9 @@ PyObject* module_commit_point(PyObject*, PyObject* const* args, Py_ssize_t nargs
   if (!plain || !PyTuple_Check(opened) || PyTuple_GET_SIZE(opened) != 2) Py_RETURN_NOTIMPLEMENTED;
   PyObject* handler = PyTuple_GET_ITEM(opened, 0);
   PyObject* group = PyTuple_GET_ITEM(opened, 1);
-  Ref forward(PyObject_GetAttr(manager, s_forward_handler));
-  Ref own(forward ? PyObject_GetAttr(handler, s_config) : nullptr);
-  Ref autoplan(own ? PyObject_GetAttr(manager, s_auto) : nullptr);
+  Ref forward(getattr_fast(manager, s_forward_handler));
+  Ref own(forward ? getattr_fast(handler, s_config) : nullptr);
+  Ref autoplan(own ? getattr_fast(manager, s_auto) : nullptr);
   if (!autoplan) return nullptr;
   if (forward.get() != handler || own.get() != config || autoplan.get() != Py_None) Py_RETURN_NOTIMPLEMENTED;
   int on = point_on(handler, name);
@@ -425,7 +425,7 @@ PyObject* module_commit_point(PyObject*, PyObject* const* args, Py_ssize_t nargs
   int64_t t0 = now_ns();
   Py_INCREF(opened);  // the entry goes from open_groups below; ``opened`` stays alive until the end here
   Ref keep_opened(opened);
-  Ref open_groups(PyObject_GetAttr(manager, s_open_groups));
+  Ref open_groups(getattr_fast(manager, s_open_groups));
   if (!open_groups || PyObject_DelItem(open_groups.get(), name) < 0) return nullptr;
   PyObject* follower = PyDict_GetItemWithError(g_calls.chain_next, name);  // borrowed
   if (follower == nullptr && PyErr_Occurred()) return nullptr;
@@ -434,14 +434,14 @@ PyObject* module_commit_point(PyObject*, PyObject* const* args, Py_ssize_t nargs
     int chaining = attr_true(manager, s_chaining);
     int next_on = 0;
     if (chaining > 0) {
-      Ref enabled(PyObject_GetAttr(handler, s_enabled_points));
+      Ref enabled(getattr_fast(handler, s_enabled_points));
       next_on = enabled ? PySequence_Contains(enabled.get(), follower) : -1;
     }
     if (chaining < 0 || next_on < 0) return nullptr;
     if (next_on) {
       // The next point of this layer is on too: it joins this group (points._commit says why)
       Ref chain(PyTuple_Pack(3, handler, group, follower));
-      if (!chain || PyObject_SetAttr(manager, s_chain, chain.get()) < 0) return nullptr;
+      if (!chain || setattr_fast(manager, s_chain, chain.get()) < 0) return nullptr;
       Py_INCREF(value);
       result = value;
     }

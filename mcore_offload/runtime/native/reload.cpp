@@ -14,7 +14,7 @@ namespace {
 
 // 1: attr is None, 0: it is not, -1: error
 int attr_is_none(PyObject* obj, PyObject* name) {
-  PyObject* v = PyObject_GetAttr(obj, name);
+  PyObject* v = getattr_fast(obj, name);
   if (v == nullptr) return -1;
   int none = v == Py_None;
   Py_DECREF(v);
@@ -48,7 +48,7 @@ int on_host_only(PyObject* runs, std::vector<PyObject*>& todo, std::vector<Py_ss
 PyObject* gather(const std::vector<PyObject*>& todo, PyObject* name) {
   PyObject* out = PyList_New(static_cast<Py_ssize_t>(todo.size()));
   for (size_t i = 0; out != nullptr && i < todo.size(); ++i) {
-    PyObject* v = PyObject_GetAttr(todo[i], name);
+    PyObject* v = getattr_fast(todo[i], name);
     if (v == nullptr) {
       Py_CLEAR(out);
       break;
@@ -79,15 +79,15 @@ int count_reloaded(PyObject* handler, const std::vector<PyObject*>& todo, bool o
     PointTotals reloaded;
     long long back = 0;
     for (size_t i = 0; ok && i < todo.size(); ++i) {
-      PyObject* point = PyObject_GetAttr(todo[i], s_point);
-      PyObject* nbytes = point ? PyObject_GetAttr(todo[i], s_nbytes) : nullptr;
+      PyObject* point = getattr_fast(todo[i], s_point);
+      PyObject* nbytes = point ? getattr_fast(todo[i], s_nbytes) : nullptr;
       long long n = nbytes ? PyLong_AsLongLong(nbytes) : -1;
       Py_XDECREF(nbytes);
-      PyObject* off = n == -1 && PyErr_Occurred() ? nullptr : PyObject_GetAttr(todo[i], s_off_device);
+      PyObject* off = n == -1 && PyErr_Occurred() ? nullptr : getattr_fast(todo[i], s_off_device);
       ok = point != nullptr && off != nullptr;
       if (ok && off == Py_True) {
         back += n;
-        ok = PyObject_SetAttr(todo[i], s_off_device, Py_False) == 0;
+        ok = setattr_fast(todo[i], s_off_device, Py_False) == 0;
       }
       if (ok) reloaded.add(point, n);
       Py_XDECREF(off);
@@ -155,14 +155,14 @@ int reload_runs(PyObject* handler, PyObject* runs, bool on_demand) {
   for (size_t p = 0; ok && p < parts.size(); ++p) {
     // transport.reload_seq += 1: this run's burst number (Transport.wait_reload)
     ok = add_to_attr(transport, s_reload_seq, 1) == 0;
-    PyObject* seq = ok ? PyObject_GetAttr(transport, s_reload_seq) : nullptr;
+    PyObject* seq = ok ? getattr_fast(transport, s_reload_seq) : nullptr;
     ok = seq != nullptr;
     PyObject* event = ok ? PyList_GET_ITEM(events, static_cast<Py_ssize_t>(p)) : nullptr;
     for (Py_ssize_t k = 0; ok && k < parts[p]; ++k, ++i) {
       PyObject* e = todo[i];
-      ok = PyObject_SetAttr(e, s_device_storage, PyList_GET_ITEM(storages, static_cast<Py_ssize_t>(i))) == 0 &&
-           PyObject_SetAttr(e, s_h2d_event, event) == 0 && PyObject_SetAttr(e, s_h2d_seq, seq) == 0 &&
-           PyObject_SetAttr(e, s_compute_waited, Py_False) == 0;
+      ok = setattr_fast(e, s_device_storage, PyList_GET_ITEM(storages, static_cast<Py_ssize_t>(i))) == 0 &&
+           setattr_fast(e, s_h2d_event, event) == 0 && setattr_fast(e, s_h2d_seq, seq) == 0 &&
+           setattr_fast(e, s_compute_waited, Py_False) == 0;
     }
     Py_XDECREF(seq);
   }
