@@ -5,9 +5,9 @@ against 21-25 ms on A (PP=1, also 64), and in a launch-bound step that host time
 runs the tests' tiny dense GPT (megatron-core's local spec, gloo) with the given points over the stub CUDA runtime of
 ``cpu_transport_glue.py`` (the GPU's transport and C++ paths; CUDA calls return at once, copies are memcpy), once per
 layout, with the same layers and microbatches, and prints per layout: the runtime's own clock a step and per
-layer-microbatch (``summary.runtime_ns``, the figure ``pretrain_gpt.py`` reports as ``runtime host ms``), and, with
-``--breakdown``, the inclusive time of each runtime function (``runtime_breakdown.py``; its wrappers add their own
-cost, and it times the Python points' glue, so read its rows against each other, not against the clock):
+layer-microbatch (``summary.runtime_total_ns()``, the figure ``pretrain_gpt.py`` reports as ``runtime host ms``),
+and, with ``--breakdown``, the inclusive time of each runtime function (``runtime_breakdown.py``; its wrappers add
+their own cost, and it times the Python points' glue, so read its rows against each other, not against the clock):
 
     python benchmarks/cpu_pipeline_host.py [--layers 16] [--microbatches 8] [--steps 12] [--breakdown]
         [--points qkv_linear core_attn attn_proj] [--paired] [--min-size N] [--python-glue]
@@ -163,14 +163,14 @@ def paired_steps(chunks: list, n: int, kw: dict[str, Any]) -> dict[str, list[flo
     for _ in range(n):
         for times, ctx in ((on, contextlib.nullcontext), (off, paused)):
             dist.barrier()  # every rank starts the step together: a rank's time is then its own and its waits
-            records, ns = len(summary.steps), summary.runtime_ns
+            records, ns = len(summary.steps), summary.runtime_total_ns()
             t0 = time.perf_counter()
             with ctx():
                 run_steps(chunks, n_steps=1, **kw)
             times.append((time.perf_counter() - t0) * 1e3)
             if times is on:  # a step that offloaded nothing leaves no record, and its clock runs on
                 clock.append(summary.steps[-1].runtime_cpu_ms if len(summary.steps) > records
-                             else (summary.runtime_ns - ns) / 1e6)
+                             else (summary.runtime_total_ns() - ns) / 1e6)
     return {"on_ms": on, "off_ms": off, "clock_ms": clock}
 
 

@@ -68,7 +68,14 @@ class OffloadSummary:
     _peak_reader: Callable[[], int] | None = None
     _allocations_seen: int = 0
     _last_peak: int = 0
-    runtime_ns: int = 0  # host time inside the runtime's hooks since the last closed step
+    runtime_ns: int = 0  # host time inside the runtime's Python hooks since the last closed step
+    # the C++ paths' part of it (a native RuntimeClock, set by the manager where the C++ runtime is loaded): an int64
+    # the hooks add to without a Python int per call; runtime_total_ns() adds the two
+    native_clock: Any = None
+
+    def runtime_total_ns(self) -> int:
+        """Host time inside the runtime's hooks since the last closed step, Python's and C++'s."""
+        return self.runtime_ns + (self.native_clock.ns if self.native_clock is not None else 0)
 
     def add(self, point: str, counter: str, nbytes: int) -> None:
         self._current[point][counter] += nbytes
@@ -129,11 +136,13 @@ class OffloadSummary:
         points = {k: dict(v) for k, v in self._current.items()}
         allocations = sum(t.pool.allocations for t in transports)
         record = StepRecord(len(self.steps), aborted, points, allocations - self._allocations_seen,
-                            runtime_cpu_ms=self.runtime_ns / 1e6)
+                            runtime_cpu_ms=self.runtime_total_ns() / 1e6)
         self.steps.append(record)
         self._allocations_seen = allocations
         self._current = _new_points()
         self.runtime_ns = 0
+        if self.native_clock is not None:
+            self.native_clock.take()
         for t in transports:
             t.telemetry.end_step(record.step)
         self.resolve_link()

@@ -79,7 +79,34 @@ def test_the_cpp_pack_hook_decides_as_the_python_one(module):
     # the reasons cover every check the C++ hook makes itself
     assert set(g_cpp.rejected) >= {"parameter", "under min_offloaded_tensor_size", "parameter or main_grad storage",
                                    "lazy conj/neg view", "marked not offloadable", "tensor subclass or layout"}
-    assert handler.summary.runtime_ns > 0
+    assert handler.summary.runtime_total_ns() > 0
+
+
+def test_the_cpp_hooks_add_their_time_to_the_summarys_native_clock(module):
+    """The manager gives its summary a RuntimeClock where the C++ runtime is loaded; the C++ hooks add to it, a
+    step's record reads both clocks and empties both, and a summary without one gets the time in runtime_ns."""
+    manager = get_manager()
+    summary = manager.summary
+    assert isinstance(summary.native_clock, module.RuntimeClock)
+    handler = _handler()
+    group = handler.open_group("core_attn")
+    pack, unpack = module.Packer(handler, group, "core_attn"), module.Unpacker(handler)
+    ref = pack(torch.randn(8, 8))
+    assert isinstance(ref, module.SavedRef) and unpack(ref) is ref.tensor
+    assert summary.native_clock.ns > 0 and summary.runtime_ns == 0
+    summary.runtime_ns = 5
+    assert summary.runtime_total_ns() == summary.native_clock.ns + 5
+    summary.add("core_attn", "offloaded", 1)  # a step with activity leaves a record
+    total = summary.runtime_total_ns()
+    summary.close_step()
+    assert summary.steps[-1].runtime_cpu_ms == total / 1e6
+    assert summary.native_clock.ns == 0 and summary.runtime_ns == 0
+    clock = module.RuntimeClock()
+    clock.add(7)
+    assert clock.take() == 7 and clock.ns == 0
+    summary.native_clock = None  # a summary of its own, say: the hooks fall back to runtime_ns
+    module.Packer(handler, handler.open_group("core_attn"), "core_attn")(torch.randn(8, 8))
+    assert summary.runtime_ns > 0
 
 
 def test_a_finished_handler_packs_nothing(module):

@@ -111,6 +111,8 @@ class OffloadManager:
         self.side_streams = side_stream_kind()  # and a bad MCORE_OFFLOAD_SIDE_STREAMS
         # the C++ saved-tensor hooks (runtime/native), or None: the Python ones (MCORE_OFFLOAD_NATIVE)
         self.native = load_native()
+        if self.native is not None:  # the C++ paths add their host time to an int64 (summary_calls.cpp)
+            self.summary.native_clock = self.native.RuntimeClock()
         # the offload points' forward glue in C++ (runtime/native/points_block.cpp) where the C++ hooks are loaded;
         # MCORE_OFFLOAD_NATIVE_POINTS=0: points.py's Python glue with the C++ hooks (for comparisons)
         self.native_points = self.native if os.environ.get("MCORE_OFFLOAD_NATIVE_POINTS", "1") != "0" else None

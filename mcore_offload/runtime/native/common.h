@@ -115,8 +115,24 @@ class Ref {
 int64_t now_ns();
 // obj.<name> += delta (-1 on a Python error): the counters the Python code keeps (runtime_ns, parameters, users)
 int add_to_attr(PyObject* obj, PyObject* name, int64_t delta);
-// summary.runtime_ns += ns (-1 on a Python error)
+// summary_calls.cpp: the C++ paths' host-time clock (summary.native_clock; see there for why)
+struct RuntimeClock {
+  PyObject_HEAD
+  int64_t ns;
+};
+extern PyTypeObject RuntimeClockType;
+bool clock_type_ready(PyObject* module);  // readied and added to the module (false: error set)
+// summary.native_clock where it is a RuntimeClock (a new reference); nullptr otherwise, with an error set only where
+// reading it failed
+PyObject* runtime_clock_of(PyObject* summary);
+// ns more on the summary's clock: its native_clock, or summary.runtime_ns where it has none (-1 on a Python error)
 int add_runtime(PyObject* summary, int64_t ns);
+// the same with the clock already looked up (runtime_clock_of: nullptr where the summary has none)
+inline int add_runtime(PyObject* summary, PyObject* clock, int64_t ns) {
+  if (clock == nullptr) return add_runtime(summary, ns);
+  reinterpret_cast<RuntimeClock*>(clock)->ns += ns;
+  return 0;
+}
 // getattr(obj, name, None) without raising (a new reference, or nullptr with an error set)
 PyObject* lookup_attr(PyObject* obj, PyObject* name);
 // 1 / 0: getattr(obj, name) is true / false; -1: error set
@@ -186,9 +202,10 @@ extern PyObject* s_on_group_commit_backward;
 // added to the module (false: error set)
 extern PyMethodDef point_methods[];
 bool point_types_ready(PyObject* module);
-// hooks.cpp: the hook types, for points_block.cpp to make them without a Python call
-extern PyTypeObject PackerType;
-extern PyTypeObject UnpackerType;
+// hooks.cpp: an offload block's pack hook (Packer(handler, group, point)) into *pack and its unpack hook
+// (Unpacker(handler)) into *unpack, either one nullptr to skip it, without a Python call and with the handler's
+// attributes read once for both (points_block.cpp; false: error set, nothing made)
+bool make_hooks(PyObject* handler, PyObject* group, PyObject* point, PyObject** pack, PyObject** unpack);
 
 // ------------------------------------------------------------------------------------- the CUDA runtime's calls
 // bursts.cpp: the CUDA runtime's entry points, called at the addresses CudaRuntime read from the library PyTorch has

@@ -12,8 +12,8 @@
 //             the device and already waited for is rebuilt here; the rest goes to the handler's _rebuild.
 //
 // The copy-out is in copy_path.cpp and entry.cpp, the transport's copy loop in copy_calls.cpp, the reload's
-// bookkeeping in reload.cpp, the module and what they share in module.cpp. Every hook adds its host time to
-// summary.runtime_ns, as the Python hooks do.
+// bookkeeping in reload.cpp, the module and what they share in module.cpp. Every hook adds its host time to the
+// summary's clock (its native_clock, summary_calls.cpp), as the Python hooks add theirs to summary.runtime_ns.
 
 #include "common.h"
 
@@ -116,6 +116,7 @@ struct Packer {
   PyObject* refs;  // group.refs (a list the handler only ever clears, never replaces)
   PyObject* rejected;  // group.rejected (a dict, likewise)
   PyObject* summary;
+  PyObject* clock;  // summary.native_clock (a RuntimeClock), or nullptr: the summary's runtime_ns
   PyObject* not_offloadable;  // handler.not_offloadable: data_ptrs of parameter and main_grad storages
   int64_t device_index;
   int64_t min_numel;
@@ -129,6 +130,7 @@ int packer_traverse(Packer* self, visitproc visit, void* arg) {
   Py_VISIT(self->refs);
   Py_VISIT(self->rejected);
   Py_VISIT(self->summary);
+  Py_VISIT(self->clock);
   Py_VISIT(self->not_offloadable);
   return 0;
 }
@@ -140,6 +142,7 @@ int packer_clear(Packer* self) {
   Py_CLEAR(self->refs);
   Py_CLEAR(self->rejected);
   Py_CLEAR(self->summary);
+  Py_CLEAR(self->clock);
   Py_CLEAR(self->not_offloadable);
   return 0;
 }
@@ -222,7 +225,7 @@ PyObject* packer_pack(Packer* self, PyObject* saved) {
       return nullptr;
     }
   }
-  if (add_runtime(self->summary, now_ns() - t0) < 0) {
+  if (add_runtime(self->summary, self->clock, now_ns() - t0) < 0) {
     Py_DECREF(out);
     return nullptr;
   }
@@ -239,58 +242,13 @@ PyObject* packer_vectorcall(PyObject* self, PyObject* const* args, size_t nargsf
 }
 
 // Packer(handler, group, point): the pack hook of one offload block
-PyObject* packer_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+PyObject* packer_new(PyTypeObject*, PyObject* args, PyObject* kwargs) {
   static const char* names[] = {"handler", "group", "point", nullptr};
   PyObject *handler, *group, *point;
   if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO", const_cast<char**>(names), &handler, &group, &point))
     return nullptr;
-  if (g_tensor_type == nullptr) {
-    PyErr_SetString(PyExc_RuntimeError, "mcore-offload's native hooks were used before init(); load them through "
-                                        "mcore_offload.runtime.native.load_native()");
-    return nullptr;
-  }
-  PyObject* refs = get_attr(group, MCO_NAME("refs"));
-  PyObject* rejected = refs ? get_attr(group, MCO_NAME("rejected")) : nullptr;
-  PyObject* summary = rejected ? get_attr(handler, MCO_NAME("summary")) : nullptr;
-  PyObject* not_offloadable = summary ? get_attr(handler, MCO_NAME("not_offloadable")) : nullptr;
-  PyObject* device_index = not_offloadable ? get_attr(handler, MCO_NAME("device_index")) : nullptr;
-  PyObject* min_numel = device_index ? get_attr(handler, MCO_NAME("min_numel")) : nullptr;
-  Packer* self = nullptr;
-  if (min_numel != nullptr) {
-    if (!PyList_Check(refs) || !PyDict_Check(rejected) || !PyAnySet_Check(not_offloadable)) {
-      PyErr_SetString(PyExc_TypeError, "Packer: group.refs must be a list, group.rejected a dict and "
-                                       "handler.not_offloadable a set");
-    } else {
-      int64_t dev = PyLong_AsLongLong(device_index);
-      int64_t mn = dev == -1 && PyErr_Occurred() ? -1 : PyLong_AsLongLong(min_numel);
-      if (!PyErr_Occurred()) {
-        self = reinterpret_cast<Packer*>(type->tp_alloc(type, 0));
-        if (self != nullptr) {
-          Py_INCREF(handler);
-          Py_INCREF(group);
-          Py_INCREF(point);
-          self->handler = handler;
-          self->group = group;
-          self->point = point;
-          self->refs = refs;
-          self->rejected = rejected;
-          self->summary = summary;
-          self->not_offloadable = not_offloadable;
-          refs = rejected = summary = not_offloadable = nullptr;  // owned by self now
-          self->device_index = dev;
-          self->min_numel = mn;
-          self->vectorcall = packer_vectorcall;
-        }
-      }
-    }
-  }
-  Py_XDECREF(refs);
-  Py_XDECREF(rejected);
-  Py_XDECREF(summary);
-  Py_XDECREF(not_offloadable);
-  Py_XDECREF(device_index);
-  Py_XDECREF(min_numel);
-  return reinterpret_cast<PyObject*>(self);
+  PyObject* pack = nullptr;
+  return make_hooks(handler, group, point, &pack, nullptr) ? pack : nullptr;
 }
 
 PyTypeObject PackerType = {PyVarObject_HEAD_INIT(nullptr, 0)};
@@ -300,18 +258,21 @@ struct Unpacker {
   PyObject_HEAD
   PyObject* handler;
   PyObject* summary;
+  PyObject* clock;  // as Packer's
   vectorcallfunc vectorcall;
 };
 
 int unpacker_traverse(Unpacker* self, visitproc visit, void* arg) {
   Py_VISIT(self->handler);
   Py_VISIT(self->summary);
+  Py_VISIT(self->clock);
   return 0;
 }
 
 int unpacker_clear(Unpacker* self) {
   Py_CLEAR(self->handler);
   Py_CLEAR(self->summary);
+  Py_CLEAR(self->clock);
   return 0;
 }
 
@@ -399,7 +360,7 @@ PyObject* unpacker_unpack(Unpacker* self, PyObject* tag) {
     out = PyObject_CallMethodObjArgs(self->handler, s_rebuild, tag, nullptr);
   }
   Py_XDECREF(storage);
-  if (out != nullptr && add_runtime(self->summary, now_ns() - t0) < 0) {
+  if (out != nullptr && add_runtime(self->summary, self->clock, now_ns() - t0) < 0) {
     Py_CLEAR(out);
   }
   return out;
@@ -415,25 +376,79 @@ PyObject* unpacker_vectorcall(PyObject* self, PyObject* const* args, size_t narg
 }
 
 // Unpacker(handler): the unpack hook of one handler
-PyObject* unpacker_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+PyObject* unpacker_new(PyTypeObject*, PyObject* args, PyObject* kwargs) {
   static const char* names[] = {"handler", nullptr};
   PyObject* handler;
   if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O", const_cast<char**>(names), &handler)) return nullptr;
-  PyObject* summary = get_attr(handler, MCO_NAME("summary"));
-  if (summary == nullptr) return nullptr;
-  Unpacker* self = reinterpret_cast<Unpacker*>(type->tp_alloc(type, 0));
-  if (self == nullptr) {
-    Py_DECREF(summary);
-    return nullptr;
-  }
-  Py_INCREF(handler);
-  self->handler = handler;
-  self->summary = summary;
-  self->vectorcall = unpacker_vectorcall;
-  return reinterpret_cast<PyObject*>(self);
+  PyObject* unpack = nullptr;
+  return make_hooks(handler, nullptr, nullptr, nullptr, &unpack) ? unpack : nullptr;
 }
 
 PyTypeObject UnpackerType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+// ------------------------------------------------------------------------------------------------- make_hooks
+bool make_hooks(PyObject* handler, PyObject* group, PyObject* point, PyObject** pack, PyObject** unpack) {
+  if (g_tensor_type == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "mcore-offload's native hooks were used before init(); load them through "
+                                        "mcore_offload.runtime.native.load_native()");
+    return false;
+  }
+  // what both hooks read of the handler, once
+  Ref summary(get_attr(handler, MCO_NAME("summary")));
+  Ref clock(summary ? runtime_clock_of(summary.get()) : nullptr);
+  if (!summary || PyErr_Occurred()) return false;
+  if (pack != nullptr) {
+    Ref refs(get_attr(group, MCO_NAME("refs")));
+    Ref rejected(refs ? get_attr(group, MCO_NAME("rejected")) : nullptr);
+    Ref not_offloadable(rejected ? get_attr(handler, MCO_NAME("not_offloadable")) : nullptr);
+    Ref device_index(not_offloadable ? get_attr(handler, MCO_NAME("device_index")) : nullptr);
+    Ref min_numel(device_index ? get_attr(handler, MCO_NAME("min_numel")) : nullptr);
+    if (!min_numel) return false;
+    if (!PyList_Check(refs.get()) || !PyDict_Check(rejected.get()) || !PyAnySet_Check(not_offloadable.get())) {
+      PyErr_SetString(PyExc_TypeError, "Packer: group.refs must be a list, group.rejected a dict and "
+                                       "handler.not_offloadable a set");
+      return false;
+    }
+    int64_t dev = PyLong_AsLongLong(device_index.get());
+    int64_t mn = dev == -1 && PyErr_Occurred() ? -1 : PyLong_AsLongLong(min_numel.get());
+    if (PyErr_Occurred()) return false;
+    Packer* self = PyObject_GC_New(Packer, &PackerType);
+    if (self == nullptr) return false;
+    PyObject* fields[] = {handler, group, point, refs.get(), rejected.get(), summary.get(), clock.get(),
+                          not_offloadable.get()};
+    for (PyObject* f : fields) Py_XINCREF(f);
+    self->handler = handler;
+    self->group = group;
+    self->point = point;
+    self->refs = refs.get();
+    self->rejected = rejected.get();
+    self->summary = summary.get();
+    self->clock = clock.get();
+    self->not_offloadable = not_offloadable.get();
+    self->device_index = dev;
+    self->min_numel = mn;
+    self->vectorcall = packer_vectorcall;
+    PyObject_GC_Track(self);
+    *pack = reinterpret_cast<PyObject*>(self);
+  }
+  if (unpack != nullptr) {
+    Unpacker* self = PyObject_GC_New(Unpacker, &UnpackerType);
+    if (self == nullptr) {
+      if (pack != nullptr) Py_CLEAR(*pack);
+      return false;
+    }
+    Py_INCREF(handler);
+    Py_INCREF(summary.get());
+    Py_XINCREF(clock.get());
+    self->handler = handler;
+    self->summary = summary.get();
+    self->clock = clock.get();
+    self->vectorcall = unpacker_vectorcall;
+    PyObject_GC_Track(self);
+    *unpack = reinterpret_cast<PyObject*>(self);
+  }
+  return true;
+}
 
 // ------------------------------------------------------------------------------------------------- the types
 // The three types filled in, readied and added to the module (module.cpp calls this once)

@@ -56,8 +56,6 @@ int add_to_attr(PyObject* obj, PyObject* name, int64_t delta) {
   return rc;
 }
 
-int add_runtime(PyObject* summary, int64_t ns) { return add_to_attr(summary, s_runtime_ns, ns); }
-
 namespace {
 bool name_ok(PyObject* name) {
   if (name != nullptr) return true;
@@ -298,7 +296,8 @@ PyMODINIT_FUNC MCO_CONCAT(PyInit_, TORCH_EXTENSION_NAME)(void) {
       PyModule_AddFunctions(m, node_hook_methods) < 0 || PyModule_AddFunctions(m, backward_methods) < 0 ||
       PyModule_AddFunctions(m, point_methods) < 0 || PyModule_AddFunctions(m, link_call_methods) < 0 ||
       PyModule_AddFunctions(m, layer_boundary_methods) < 0 ||
-      PyModule_AddFunctions(m, attr_count_methods) < 0 || !event_type_ready(m) || !point_types_ready(m) || !entry_types_ready(m)) {
+      PyModule_AddFunctions(m, attr_count_methods) < 0 || !event_type_ready(m) || !point_types_ready(m) || !entry_types_ready(m) ||
+      !clock_type_ready(m)) {
     Py_DECREF(m);
     return nullptr;
   }

@@ -24,6 +24,7 @@
 #include "common.h"
 
 #include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 namespace mco {
 
@@ -51,7 +52,7 @@ PyObject* s_on_group_commit_forward;
 PyObject* s_push_hooks;
 PyObject* s_pop_hooks;
 
-// points.py's and torch's callables this file hands uncommon moves to, read at the first use (process-wide facts of
+// points.py's callables this file hands uncommon moves to, read at the first use (process-wide facts of
 // imported modules, like module.cpp's allocators: no reset). The saved-tensor hooks are pushed and popped through
 // points._push_hooks / _pop_hooks, read at each use: the Python block's way (None: this torch lacks them, and
 // offload_block leaves the block to Python, which has the context-manager fallback), and what tests wrap.
@@ -61,7 +62,6 @@ struct PointCalls {
   PyObject* commit_node = nullptr;    // points._commit_node: GroupCommit's, for an output without one
   PyObject* chain_next = nullptr;     // points.CHAIN_NEXT
   PyObject* saved_nothing = nullptr;  // points._saved_nothing: the log line of a point that offloaded nothing
-  PyObject* graph_task_id = nullptr;  // torch._C._current_graph_task_id (None: missing)
   bool ready = false;
 };
 PointCalls g_calls;
@@ -78,16 +78,13 @@ PyObject* attr_or_none(PyObject* obj, const char* name) {
 bool calls_ready() {
   if (g_calls.ready) return true;
   Ref points(PyImport_ImportModule("mcore_offload.runtime.points"));
-  Ref torch_c(points ? PyImport_ImportModule("torch._C") : nullptr);
-  if (!torch_c) return false;
+  if (!points) return false;
   Py_INCREF(points.get());
   Py_XSETREF(g_calls.points, points.get());
-  PyObject** slots[] = {&g_calls.start_node, &g_calls.commit_node, &g_calls.chain_next, &g_calls.saved_nothing,
-                        &g_calls.graph_task_id};
-  PyObject* owners[] = {points.get(), points.get(), points.get(), points.get(), torch_c.get()};
-  const char* names[] = {"_start", "_commit_node", "CHAIN_NEXT", "_saved_nothing", "_current_graph_task_id"};
+  PyObject** slots[] = {&g_calls.start_node, &g_calls.commit_node, &g_calls.chain_next, &g_calls.saved_nothing};
+  const char* names[] = {"_start", "_commit_node", "CHAIN_NEXT", "_saved_nothing"};
   for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); ++i) {
-    PyObject* v = attr_or_none(owners[i], names[i]);
+    PyObject* v = attr_or_none(points.get(), names[i]);
     if (v == nullptr) return false;
     Py_XSETREF(*slots[i], v);
   }
@@ -99,15 +96,10 @@ bool calls_ready() {
   return true;
 }
 
-// enabled.in_backward(): the autograd engine runs a backward (1), not (0), error (-1)
-int in_backward() {
-  if (g_calls.graph_task_id == Py_None) return 0;
-  Ref id(PyObject_CallNoArgs(g_calls.graph_task_id));
-  if (!id) return -1;
-  long v = PyLong_AsLong(id.get());
-  if (v == -1 && PyErr_Occurred()) return -1;
-  return v != -1;
-}
+// enabled.in_backward(): the autograd engine runs a backward (1), not (0). The C++ function behind
+// torch._C._current_graph_task_id, called directly instead of through that Python function (a call and an int at
+// every point that is on, twice a point)
+int in_backward() { return torch::autograd::get_current_graph_task_id() != -1; }
 
 // name in handler.enabled_points and grad mode on and no backward running: handler_for's answer for the forward
 // chunk's own config without auto (1 on, 0 off, -1 error)
@@ -121,7 +113,7 @@ int point_on(PyObject* handler, PyObject* name) {
   return back < 0 ? -1 : !back;
 }
 
-// manager.summary.runtime_ns += ns (-1: error)
+// ns more on manager.summary's clock (add_runtime; -1: error)
 int add_manager_runtime(PyObject* manager, int64_t ns) {
   Ref summary(getattr_fast(manager, s_summary));
   return summary ? add_runtime(summary.get(), ns) : -1;
@@ -226,10 +218,10 @@ PyObject* block_enter(PyObject* obj, PyObject*) {
     if (!points || PyList_Append(points.get(), self->name) < 0) return nullptr;
   }
   if (note_group_state(self) < 0) return nullptr;
-  Ref pack(PyObject_CallFunctionObjArgs(reinterpret_cast<PyObject*>(&PackerType), self->handler, self->group,
-                                        self->name, nullptr));
-  Ref unpack(pack ? PyObject_CallOneArg(reinterpret_cast<PyObject*>(&UnpackerType), self->handler) : nullptr);
-  Ref push(unpack ? getattr_fast(g_calls.points, s_push_hooks) : nullptr);
+  PyObject *pack_hook = nullptr, *unpack_hook = nullptr;
+  bool made = make_hooks(self->handler, self->group, self->name, &pack_hook, &unpack_hook);
+  Ref pack(pack_hook), unpack(unpack_hook);
+  Ref push(made ? getattr_fast(g_calls.points, s_push_hooks) : nullptr);
   Ref pushed(push ? PyObject_CallFunctionObjArgs(push.get(), pack.get(), unpack.get(), nullptr) : nullptr);
   if (!pushed || add_manager_runtime(self->manager, now_ns() - t0) < 0) return nullptr;
   Py_INCREF(tensor.get());
@@ -290,10 +282,6 @@ PyObject* module_offload_block(PyObject*, PyObject* const* args, Py_ssize_t narg
   PyObject *manager = args[0], *name = args[1], *config = args[2], *tensor = args[3];
   if (!calls_ready()) return nullptr;
   if (reinterpret_cast<PyObject*>(Py_TYPE(tensor)) != g_tensor_type) Py_RETURN_NONE;  // a subclass: the Python block
-  Ref push(getattr_fast(g_calls.points, s_push_hooks));
-  Ref pop(push ? getattr_fast(g_calls.points, s_pop_hooks) : nullptr);
-  if (!pop) return nullptr;
-  if (push.get() == Py_None || pop.get() == Py_None) Py_RETURN_NONE;  // the context-manager fallback: Python's
   Ref forward(getattr_fast(manager, s_forward_handler));
   Ref own(forward && forward.get() != Py_None ? getattr_fast(forward.get(), s_config) : nullptr);
   Ref autoplan(own ? getattr_fast(manager, s_auto) : nullptr);
@@ -302,6 +290,11 @@ PyObject* module_offload_block(PyObject*, PyObject* const* args, Py_ssize_t narg
   int on = point_on(forward.get(), name);
   if (on < 0) return nullptr;
   if (!on) return new_block(manager, nullptr, name, tensor, nullptr);
+  // read for a point that is on only (two reads less at each point that is off: attn_norm and mlp_norm, say)
+  Ref push(getattr_fast(g_calls.points, s_push_hooks));
+  Ref pop(push ? getattr_fast(g_calls.points, s_pop_hooks) : nullptr);
+  if (!pop) return nullptr;
+  if (push.get() == Py_None || pop.get() == Py_None) Py_RETURN_NONE;  // the context-manager fallback: Python's
   Ref chain(getattr_fast(manager, s_chain));
   if (!chain) return nullptr;
   PyObject* joined = nullptr;  // borrowed from ``chain``
