@@ -415,3 +415,28 @@ def test_the_counting_build_of_the_native_runtime_is_cached_under_a_name_of_its_
     plain = native.build_name()
     monkeypatch.setenv("MCORE_OFFLOAD_NATIVE_COUNT_ATTRS", "1")
     assert native.counting_build() and native.build_name() != plain
+
+
+def test_callgrind_boundary_sums_the_calls_leaving_one_object_by_caller_and_callee(tmp_path):
+    import callgrind_boundary
+
+    # Two of our functions: one calls libpython twice (inclusive 700 and 300) and our own helper (not counted), the
+    # helper calls libc (50); a libpython function calling back into ours is not a call leaving ours.
+    (tmp_path / "cg.out").write_text(
+        "version: 1\ncreator: test\nevents: Ir\n"
+        "ob=(1) /tmp/x/mcore_offload_hooks_abc.so\nfl=(1) ???\nfn=(1) mco::outer\n"
+        "16 10\n"
+        "cob=(2) /usr/lib/libpython3.11.so.1.0\ncfi=(2) ???\ncfn=(2) PyObject_GetAttr\ncalls=3 0\n16 700\n"
+        "cob=(2)\ncfi=(2)\ncfn=(2)\ncalls=1 0\n17 300\n"
+        "cfn=(3) mco::helper\ncalls=1 0\n18 90\n"
+        "fn=(3)\n20 40\n"
+        "cob=(3) /lib/libc.so.6\ncfi=(2)\ncfn=(4) memcpy\ncalls=2 0\n21 50\n"
+        "ob=(2)\nfl=(2)\nfn=(2)\n5 1000\n"
+        "cob=(1)\ncfi=(1)\ncfn=(3)\ncalls=1 0\n6 90\n"
+        "totals: 2280\n")
+    res = callgrind_boundary.boundary_calls(tmp_path / "cg.out", "mcore_offload_hooks")
+    assert res["by_object"] == {"libpython3.11.so.1.0": 1000, "libc.so.6": 50}
+    assert res["by_caller"] == {("mco::outer", "libpython3.11.so.1.0"): 1000, ("mco::helper", "libc.so.6"): 50}
+    assert res["calls"][("libpython3.11.so.1.0", "PyObject_GetAttr")] == 4
+    assert callgrind_boundary.main([str(tmp_path / "cg.out"), "--json-out", str(tmp_path / "b.json")]) == 0
+    assert json.loads((tmp_path / "b.json").read_text())["total"] == 1050
