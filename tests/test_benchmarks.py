@@ -440,3 +440,26 @@ def test_callgrind_boundary_sums_the_calls_leaving_one_object_by_caller_and_call
     assert res["calls"][("libpython3.11.so.1.0", "PyObject_GetAttr")] == 4
     assert callgrind_boundary.main([str(tmp_path / "cg.out"), "--json-out", str(tmp_path / "b.json")]) == 0
     assert json.loads((tmp_path / "b.json").read_text())["total"] == 1050
+
+
+def test_runtime_clock_share_divides_each_offloaded_steps_clock_by_its_plain_neighbours(tmp_path):
+    import runtime_clock_share
+
+    on = [True, False] * 5
+    step_ms = [100.0, 90.0, 120.0, 110.0, 130.0, 100.0, 140.0, 120.0, 150.0, 80.0]
+    clocks = [1.0, 6.0, 8.0, 11.0, 9.0]  # the offloaded steps' clocks, in order (steps 0, 2, 4, 6, 8)
+    # step 0 has no plain step before it; steps 2, 4, 6 and 8 are counted from first=1
+    got = runtime_clock_share.clock_shares(step_ms, on, clocks, first=1)
+    assert got == [6.0 / 100.0, 8.0 / 105.0, 11.0 / 110.0, 9.0 / 100.0]
+    assert runtime_clock_share.clock_shares(step_ms, on, clocks, first=5) == [11.0 / 110.0, 9.0 / 100.0]
+    doc = {"args": {"alternate_offload": True, "alternate_period": 2, "warmup_steps": 1},
+           "ranks": [{"rank": 0, "step_ms": step_ms, "runtime_cpu_ms": 8.5,
+                      "alternation": {"on_steps": on, "step_ms_off_median": 100.0},
+                      "offload": {"per_step": {"runtime_cpu_ms": clocks}}}]}
+    (tmp_path / "run.json").write_text(json.dumps(doc))
+    row = runtime_clock_share.run_share(str(tmp_path / "run.json"), 0)
+    assert row["steps"] == 4 and abs(row["share_pct"] - 100 * (8.0 / 105.0 + 9.0 / 100.0) / 2) < 1e-9
+    doc["args"]["alternate_period"] = 3
+    (tmp_path / "p3.json").write_text(json.dumps(doc))
+    with pytest.raises(SystemExit, match="period 2"):
+        runtime_clock_share.run_share(str(tmp_path / "p3.json"), 0)
