@@ -249,7 +249,7 @@ PyObject* module_copy_out(PyObject*, PyObject* args);
 // manager_calls.cpp: manager.on_hosts_freed(freed) and manager.on_handler_finished(handler) (-1: error set)
 int hosts_freed(PyObject* manager, PyObject* freed);
 int handler_finished(PyObject* manager, PyObject* handler);
-// points_block.cpp: enabled.in_backward() (1: the autograd engine runs a backward, 0 not, -1 error set)
+// points_block.cpp: enabled.in_backward() (1: the autograd engine runs a backward, 0 not)
 int backward_running();
 
 // summary_calls.cpp: OffloadSummary's counters where no peak is traced, without its Python frames.

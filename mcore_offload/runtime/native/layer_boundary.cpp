@@ -64,9 +64,7 @@ PyObject* module_layer_boundary(PyObject*, PyObject* args) {
   Ref handler(get_attr(manager, MCO_NAME("forward_handler")));
   if (!handler) return nullptr;
   if (handler.get() == Py_None) Py_RETURN_NONE;
-  int back = backward_running();
-  if (back < 0) return nullptr;
-  if (back) Py_RETURN_NONE;
+  if (backward_running()) Py_RETURN_NONE;
   // the auto probe's clock marks and peak trace: the manager's own method
   Ref autoplan(get_attr(manager, MCO_NAME("auto")));
   Ref marks(autoplan ? get_attr(handler.get(), MCO_NAME("marks")) : nullptr);

@@ -108,9 +108,7 @@ int point_on(PyObject* handler, PyObject* name) {
   if (!enabled) return -1;
   int in = PySequence_Contains(enabled.get(), name);
   if (in <= 0) return in;
-  if (!c10::GradMode::is_enabled()) return 0;
-  int back = in_backward();
-  return back < 0 ? -1 : !back;
+  return c10::GradMode::is_enabled() && !in_backward();
 }
 
 // ns more on manager.summary's clock (add_runtime; -1: error)
@@ -447,7 +445,7 @@ PyObject* module_commit_point(PyObject*, PyObject* const* args, Py_ssize_t nargs
 
 }  // namespace
 
-int backward_running() { return calls_ready() ? in_backward() : -1; }
+int backward_running() { return in_backward(); }
 
 PyMethodDef point_methods[] = {
     {"offload_block", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(module_offload_block)),

@@ -13,10 +13,10 @@
 
 namespace mco {
 
-PyObject* s_native_clock;
-
 // --------------------------------------------------------------------------------------------------- RuntimeClock
 namespace {
+
+PyObject* s_native_clock;  // interned by clock_type_ready
 
 PyObject* clock_take(PyObject* self, PyObject*) {
   auto* clock = reinterpret_cast<RuntimeClock*>(self);
