@@ -39,15 +39,18 @@ def first_counted_step(warmup_steps: int, period: int = 2, block: int | None = N
     return step
 
 
-def paired_ratios(step_ms: list[float], on_steps: list[bool], first: int = 0) -> list[float]:
+def paired_ratios(step_ms: list[float], on_steps: list[bool], first: int = 0,
+                  over: list[float | None] | None = None) -> list[float]:
     """For every offloaded step ``i`` with plain steps ``i - 1 >= first`` and ``i + 1``: ``t[i] / mean(both)``.
 
-    Steps with one plain neighbour only are left out: a one-sided ratio keeps the drift.
+    Steps with one plain neighbour only are left out: a one-sided ratio keeps the drift. ``over``: per-step values to
+    divide instead of the step times (``runtime_clock_share.py``: the runtime's clock), None where a step has none.
     """
+    top = step_ms if over is None else over
     ratios = []
     for i in range(max(first + 1, 1), len(step_ms) - 1):
-        if on_steps[i] and not on_steps[i - 1] and not on_steps[i + 1]:
-            ratios.append(step_ms[i] / (0.5 * (step_ms[i - 1] + step_ms[i + 1])))
+        if on_steps[i] and not on_steps[i - 1] and not on_steps[i + 1] and top[i] is not None:
+            ratios.append(top[i] / (0.5 * (step_ms[i - 1] + step_ms[i + 1])))
     return ratios
 
 

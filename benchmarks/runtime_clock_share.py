@@ -22,25 +22,18 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from paired_steps import first_counted_step  # noqa: E402
+from paired_steps import first_counted_step, paired_ratios  # noqa: E402
 
 
 def clock_shares(step_ms: list[float], on_steps: list[bool], runtime_ms: list[float | None], first: int) -> list[float]:
     """Per offloaded step ``i`` past ``first`` with plain steps on both sides: its clock over the mean of those two.
 
     ``runtime_ms`` holds the offloaded steps' clocks in order (the summary records offloading steps only)."""
-    clock_of = {}
-    k = 0
-    for i, on in enumerate(on_steps):
-        if on:
-            if k < len(runtime_ms):
-                clock_of[i] = runtime_ms[k]
-            k += 1
-    shares = []
-    for i in range(max(first + 1, 1), len(step_ms) - 1):
-        if on_steps[i] and not on_steps[i - 1] and not on_steps[i + 1] and clock_of.get(i) is not None:
-            shares.append(clock_of[i] / (0.5 * (step_ms[i - 1] + step_ms[i + 1])))
-    return shares
+    clock: list[float | None] = [None] * len(step_ms)
+    offloaded = [i for i, on in enumerate(on_steps) if on]
+    for i, ms in zip(offloaded, runtime_ms):
+        clock[i] = ms
+    return paired_ratios(step_ms, on_steps, first, over=clock)
 
 
 def run_share(path: str, rank: int) -> dict:
