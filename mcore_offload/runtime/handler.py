@@ -54,6 +54,13 @@ _Tensor, _strided = torch.Tensor, torch.strided  # module globals: read once per
 class ChunkOffloadHandler(SecondLook, Prefetch, HandlerBase):
     """Offloads the saved activations of one model chunk (``vp_stage``) for one microbatch."""
 
+    # The attributes the C++ runtime reads and writes, as slots: it reads them with one load (native/member_slots.cpp)
+    # instead of a generic attribute lookup, some 90 times a layer-microbatch. Others stay in the instance dict.
+    __slots__ = ("manager", "vp_stage", "microbatch", "device", "device_index", "min_numel", "not_offloadable",
+                 "transport", "summary", "config", "enabled_points", "groups", "pending", "opened", "live",
+                 "groups_done", "backward_started", "finished", "layers", "reload_bursts", "marks", "held_back",
+                 "looking_again", "current_group")
+
     def __init__(
         self,
         manager: OffloadManager,

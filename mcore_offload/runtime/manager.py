@@ -86,6 +86,12 @@ def _chunk_backward_starts(handler: ChunkOffloadHandler, grad: torch.Tensor) -> 
 class OffloadManager:
     """Per-process offload state. :func:`get_manager` gives the instance; :meth:`reset` clears it."""
 
+    # What the C++ runtime reads (about 60 times a layer-microbatch) as slots, one load each (native/member_slots.cpp);
+    # the rest in the instance dict
+    __slots__ = ("summary", "forward_handler", "auto", "open_groups", "chain", "chaining", "node_hooks", "split_chains",
+                 "_chunk_layers", "prefetch", "_peak_reader", "flush_layers", "reload_layers", "second_look",
+                 "offload_log", "handlers", "__dict__", "__weakref__")
+
     def __init__(self) -> None:
         self.summary = OffloadSummary()
         # the points whose "saved nothing to offload" line was logged: once per point, so the points' exits skip

@@ -42,6 +42,12 @@ class RawCudaTransport(CoalescedReloads, CudaTransport):
     copy (:class:`~mcore_offload.runtime.coalesce.CoalescedReloads`).
     """
 
+    # What the C++ bursts read and write (about 30 times a layer-microbatch) as slots, one load each
+    # (native/member_slots.cpp); the rest in the instance dict (``coalesce`` and ``_last_h2d_done`` too: their class
+    # defaults in CoalescedReloads are what a transport that never set them reads)
+    __slots__ = ("rt", "reload_seq", "native", "telemetry", "_held", "_timed_events", "_waited_seq", "_h2d_fence",
+                 "_h2d_handle", "device_index", "_d2h_fence", "_d2h_handle", "pool")
+
     def __init__(self, device: torch.device, runtime: CudaRuntime) -> None:
         super().__init__(device)
         self.rt = runtime

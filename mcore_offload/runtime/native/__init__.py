@@ -6,7 +6,8 @@ group's backward (its reload, wait and prefetch, its end, the chunk's finish); `
 the group hooks on autograd nodes; ``points_block.cpp``: the offload points' forward glue; ``layer_boundary.cpp``: a
 layer's start; ``link_calls.cpp``: the telemetry's marks and spans, the done events and the reload waits;
 ``event_type.cpp``: the pooled events; ``summary_calls.cpp`` and ``manager_calls.cpp``: the counters and the
-manager's bookkeeping those paths report to; ``module.cpp``: the module and what they share), built on first use
+manager's bookkeeping those paths report to; ``member_slots.cpp``: attribute reads and writes straight to a slot;
+``module.cpp``: the module and what they share), built on first use
 with PyTorch's extension builder.
 
 Why: in a launch-bound step (config A on an H100) the runtime's host time is step time, and some of its steps run once
@@ -52,7 +53,7 @@ SOURCES = tuple(Path(__file__).with_name(name)
                              "bursts.cpp", "pool_calls.cpp", "burst_clock.cpp", "entry.cpp", "reload.cpp",
                              "backward.cpp", "node_hooks.cpp", "points_block.cpp", "link_calls.cpp",
                              "summary_calls.cpp", "event_type.cpp", "layer_boundary.cpp",
-                             "manager_calls.cpp", "attr_counts.cpp"))
+                             "manager_calls.cpp", "attr_counts.cpp", "member_slots.cpp"))
 HEADERS = (Path(__file__).with_name("common.h"),)
 MODES = ("auto", "0", "1")
 

@@ -295,29 +295,19 @@ PyObject* new_entry(PyObject* point, PyObject* nbytes, PyObject* host, PyObject*
 PyObject* new_released(PyObject* handler, PyObject* ptr, PyObject* entry);
 void entry_set_storage_ref(PyObject* entry, PyObject* weak);
 bool entry_types_ready(PyObject* module);
-// The field of an Entry named by an interned string, or nullptr where ``obj`` is not an Entry or ``name`` is not one
-// of its fields (or not interned): getattr_fast / setattr_fast then take the generic attribute path
-PyObject** entry_slot(PyObject* obj, PyObject* name);
-
-// getattr / setattr that read and write an Entry's field directly. Why: an Entry is touched about 160 times a
-// layer-microbatch (copy-out, release, reload, backward); the generic path looks the name up in the type's MRO and
-// goes through its member descriptor each time. Same results as PyObject_GetAttr / PyObject_SetAttr for an Entry
-// (a T_OBJECT member: an unset field reads as None), and the generic path for any other object.
-inline PyObject* getattr_fast(PyObject* obj, PyObject* name) {
-  if (PyObject** slot = entry_slot(obj, name)) {
-    PyObject* v = *slot != nullptr ? *slot : Py_None;
-    Py_INCREF(v);
-    return v;
-  }
-  return PyObject_GetAttr(obj, name);
-}
-inline int setattr_fast(PyObject* obj, PyObject* name, PyObject* value) {
-  PyObject** slot = value != nullptr ? entry_slot(obj, name) : nullptr;  // a delete takes the generic path
-  if (slot == nullptr) return PyObject_SetAttr(obj, name, value);
-  Py_INCREF(value);
-  Py_XSETREF(*slot, value);
-  return 0;
-}
+// member_slots.cpp: getattr / setattr that read and write an object's slot directly where the generic path would
+// end in that slot's member descriptor (the runtime's state classes keep what our C++ touches in __slots__, Entry and
+// SavedRef are C types with members), and read a module's dict directly; the generic path otherwise, with its
+// results and errors. Why and when it is exact: see there. nullptr / -1 with an error set, as PyObject_GetAttr /
+// PyObject_SetAttr.
+PyObject* member_get(PyObject* obj, PyObject* name);
+// the direct read alone: a new reference, or nullptr without an error where the generic path must answer
+PyObject* member_fast(PyObject* obj, PyObject* name);
+int member_set(PyObject* obj, PyObject* name, PyObject* value);
+void reset_member_slots();  // forget every resolved (type, name) pair
+extern PyMethodDef member_slot_methods[];
+inline PyObject* getattr_fast(PyObject* obj, PyObject* name) { return member_get(obj, name); }
+inline int setattr_fast(PyObject* obj, PyObject* name, PyObject* value) { return member_set(obj, name, value); }
 
 // held_checks.cpp, for copy_out: a new reference to ref.tensor (nullptr without an error if None or unset); the
 // coverage check; whether another tensor keeps a storage (1), not (0), error (-1)

@@ -35,15 +35,6 @@ struct Entry {
 PyMemberDef entry_members[] = {MCO_ENTRY_FIELDS(MCO_MEMBER){nullptr, 0, 0, 0, nullptr}};
 #undef MCO_MEMBER
 
-// the fields' names, interned at entry_types_ready (the same objects as every MCO_NAME / s_* of that text)
-#define MCO_FIELD_NAME(name) nullptr,
-PyObject* field_names[] = {MCO_ENTRY_FIELDS(MCO_FIELD_NAME)};
-#undef MCO_FIELD_NAME
-constexpr size_t kFields = sizeof(field_names) / sizeof(field_names[0]);
-#define MCO_FIELD_OFFSET(name) offsetof(Entry, name),
-constexpr size_t field_offsets[] = {MCO_ENTRY_FIELDS(MCO_FIELD_OFFSET)};
-#undef MCO_FIELD_OFFSET
-
 int entry_traverse(Entry* self, visitproc visit, void* arg) {
 #define MCO_VISIT(name) Py_VISIT(self->name);
   MCO_ENTRY_FIELDS(MCO_VISIT)
@@ -226,25 +217,11 @@ PyObject* new_released(PyObject* handler, PyObject* ptr, PyObject* entry) {
   return reinterpret_cast<PyObject*>(self);
 }
 
-PyObject** entry_slot(PyObject* obj, PyObject* name) {
-  if (Py_TYPE(obj) != &EntryType) return nullptr;
-  for (size_t i = 0; i < kFields; ++i)
-    if (field_names[i] == name) return reinterpret_cast<PyObject**>(reinterpret_cast<char*>(obj) + field_offsets[i]);
-  return nullptr;
-}
-
 void entry_set_storage_ref(PyObject* entry, PyObject* weak) {
   Py_XSETREF(reinterpret_cast<Entry*>(entry)->storage_ref, weak);
 }
 
 bool entry_types_ready(PyObject* module) {
-  static const char* const texts[] = {
-#define MCO_FIELD_TEXT(name) #name,
-      MCO_ENTRY_FIELDS(MCO_FIELD_TEXT)
-#undef MCO_FIELD_TEXT
-  };
-  for (size_t i = 0; i < kFields; ++i)
-    if (field_names[i] == nullptr && (field_names[i] = PyUnicode_InternFromString(texts[i])) == nullptr) return false;
   EntryType.tp_name = "mcore_offload_native.Entry";
   EntryType.tp_basicsize = sizeof(Entry);
   EntryType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC;

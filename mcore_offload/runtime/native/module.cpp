@@ -109,7 +109,8 @@ long attr_long(PyObject* obj, PyObject* name) {
 }
 
 PyObject* lookup_attr(PyObject* obj, PyObject* name) {
-  PyObject* out = nullptr;
+  PyObject* out = member_fast(obj, name);
+  if (out != nullptr || PyErr_Occurred()) return out;
 #if PY_VERSION_HEX >= 0x030D0000
   if (PyObject_GetOptionalAttr(obj, name, &out) < 0) return nullptr;
 #else
@@ -296,7 +297,7 @@ PyMODINIT_FUNC MCO_CONCAT(PyInit_, TORCH_EXTENSION_NAME)(void) {
       PyModule_AddFunctions(m, node_hook_methods) < 0 || PyModule_AddFunctions(m, backward_methods) < 0 ||
       PyModule_AddFunctions(m, point_methods) < 0 || PyModule_AddFunctions(m, link_call_methods) < 0 ||
       PyModule_AddFunctions(m, layer_boundary_methods) < 0 ||
-      PyModule_AddFunctions(m, attr_count_methods) < 0 || !event_type_ready(m) || !point_types_ready(m) || !entry_types_ready(m) ||
+      PyModule_AddFunctions(m, attr_count_methods) < 0 || PyModule_AddFunctions(m, member_slot_methods) < 0 || !event_type_ready(m) || !point_types_ready(m) || !entry_types_ready(m) ||
       !clock_type_ready(m)) {
     Py_DECREF(m);
     return nullptr;
