@@ -6,7 +6,8 @@ interpreter inside our C++ calls, and found it to be C-API work on the Python ob
 tiny dense GPT over the stub CUDA runtime of ``cpu_transport_glue.py`` (the GPU's transport and C++ paths), with a
 counting build of the native module (``MCORE_OFFLOAD_NATIVE_COUNT_ATTRS=1``: every ``PyObject_GetAttr`` /
 ``PyObject_SetAttr`` of the runtime's C++ counted by the object's type and the name; reads and writes the C++ makes
-on its own types' fields directly are not C-API calls and are not counted). The figure a change that moves state
+straight to a slot, its own types' fields and the state classes' ``__slots__`` (member_slots.cpp), are not C-API
+calls and are not counted). The figure a change that moves state
 out of Python objects lowers.
 
     python benchmarks/cpu_attr_counts.py [--layout pp1|pp2vpp2] [--warmup 4] [--steps 2] [--top 40]

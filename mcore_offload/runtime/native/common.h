@@ -304,7 +304,6 @@ PyObject* member_get(PyObject* obj, PyObject* name);
 // the direct read alone: a new reference, or nullptr without an error where the generic path must answer
 PyObject* member_fast(PyObject* obj, PyObject* name);
 int member_set(PyObject* obj, PyObject* name, PyObject* value);
-void reset_member_slots();  // forget every resolved (type, name) pair
 extern PyMethodDef member_slot_methods[];
 inline PyObject* getattr_fast(PyObject* obj, PyObject* name) { return member_get(obj, name); }
 inline int setattr_fast(PyObject* obj, PyObject* name, PyObject* value) { return member_set(obj, name, value); }

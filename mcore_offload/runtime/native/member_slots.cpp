@@ -32,7 +32,7 @@ struct MemberSlot {
   bool writable = false;         // ... writes them with PyObject_GenericSetAttr, and the member is not READONLY
 };
 
-// direct-mapped by (type, name); every caller holds the GIL. reset_member_slots() empties it (tests).
+// direct-mapped by (type, name); every caller holds the GIL. _reset_member_slots() empties it (tests).
 constexpr size_t kMemberSlots = 1024;
 MemberSlot g_member_slots[kMemberSlots];
 long long g_resolved = 0;  // lookups that went to the type (misses), for the tests
@@ -92,8 +92,13 @@ PyObject* module_global(PyObject* module, PyObject* name) {
   return dict != nullptr ? PyDict_GetItemWithError(dict, name) : nullptr;
 }
 
+// forget every resolved (type, name) pair (tests)
 PyObject* py_reset_member_slots(PyObject*, PyObject*) {
-  reset_member_slots();
+  for (MemberSlot& s : g_member_slots) {
+    s.type = nullptr;
+    Py_CLEAR(s.name);
+  }
+  g_resolved = 0;
   Py_RETURN_NONE;
 }
 
@@ -149,14 +154,6 @@ int member_set(PyObject* obj, PyObject* name, PyObject* value) {
   Py_INCREF(value);
   Py_XSETREF(*at(obj, *s), value);
   return 0;
-}
-
-void reset_member_slots() {
-  for (MemberSlot& s : g_member_slots) {
-    s.type = nullptr;
-    Py_CLEAR(s.name);
-  }
-  g_resolved = 0;
 }
 
 PyMethodDef member_slot_methods[] = {
