@@ -34,6 +34,15 @@ class Slotted:
     __slots__ = ("a", "b")
 
 
+def assert_reads_fail_alike(module, obj, name, error=AttributeError):
+    """Reading ``name`` through the C++ path raises what plain getattr raises, message included."""
+    with pytest.raises(error) as direct:
+        getattr(obj, name)
+    with pytest.raises(error) as ours:
+        module._get_attr(obj, name)
+    assert str(ours.value) == str(direct.value)
+
+
 def test_a_slot_is_read_and_written_directly_after_one_lookup_of_its_type(module):
     obj = Slotted()
     obj.a = 1
@@ -52,13 +61,8 @@ def test_a_slot_is_read_and_written_directly_after_one_lookup_of_its_type(module
 
 def test_an_unset_slot_and_a_missing_name_raise_what_getattr_raises(module):
     obj = Slotted()
-    with pytest.raises(AttributeError) as direct:
-        obj.b  # noqa: B018
-    with pytest.raises(AttributeError) as ours:
-        module._get_attr(obj, "b")
-    assert str(ours.value) == str(direct.value)
-    with pytest.raises(AttributeError):
-        module._get_attr(obj, "nope")
+    assert_reads_fail_alike(module, obj, "b")
+    assert_reads_fail_alike(module, obj, "nope")
     with pytest.raises(AttributeError):
         module._set_attr(obj, "nope", 1)  # no __dict__ to put it in
 
@@ -104,11 +108,7 @@ def test_a_slot_descriptor_on_an_unrelated_class_is_not_read_as_a_slot(module):
         pass
 
     Unrelated.a = Slotted.__dict__["a"]
-    with pytest.raises(TypeError) as direct:
-        Unrelated().a  # noqa: B018
-    with pytest.raises(TypeError) as ours:
-        module._get_attr(Unrelated(), "a")
-    assert str(ours.value) == str(direct.value)
+    assert_reads_fail_alike(module, Unrelated(), "a", TypeError)
 
 
 def test_read_only_members_are_read_directly_and_written_through_the_generic_path(module):
@@ -150,3 +150,20 @@ def test_the_state_the_cpp_runtime_touches_is_held_in_slots(module):
         assert type(getattr(RawCudaTransport, name)).__name__ == "member_descriptor", name
     handler.some_other_attribute = 1  # the rest still lives in the instance dict
     assert module._get_attr(handler, "some_other_attribute") == 1
+
+
+def test_an_entrys_fields_are_read_and_written_without_the_table_and_as_getattr_does(module):
+    entry = module.Entry("core_attn", 4, "host", "event", 7)
+    names = [d for d, v in vars(type(entry)).items() if type(v).__name__ == "member_descriptor"]
+    assert len(names) == 13  # every field of the struct, each readable through the direct path
+    for name in names:
+        assert module._get_attr(entry, name) is getattr(entry, name), name
+        marker = object()
+        module._set_attr(entry, name, marker)
+        assert getattr(entry, name) is marker, name
+    assert module._member_slot_lookups() == 0  # none went through the (type, name) table
+    assert_reads_fail_alike(module, entry, "no_such_field")
+    with pytest.raises(AttributeError):
+        module._set_attr(entry, "no_such_field", 1)  # no instance dict
+    with pytest.raises(TypeError):
+        type(entry).host = property(lambda self: 0)  # why the direct path is exact: the type cannot change

@@ -14,24 +14,36 @@ namespace mco {
 #ifdef MCO_COUNT_ATTRS
 namespace {
 
-// every caller holds the GIL, which serialises the updates; attr_counts() empties it (the reset the tool uses)
-std::map<std::string, long long>& counts() {
-  static std::map<std::string, long long> by_key;
+using Counts = std::map<std::string, long long>;
+
+// every caller holds the GIL, which serialises the updates; attr_counts() / slot_counts() empty them (the reset the
+// tool uses)
+Counts& counts() {
+  static Counts by_key;
   return by_key;
 }
 
-void count(const char* kind, PyObject* obj, PyObject* name) {
+// the reads and writes member_slots.cpp makes straight to a slot: not C-API calls, counted apart
+Counts& slot_counts() {
+  static Counts by_key;
+  return by_key;
+}
+
+void count_into(Counts& into, const char* kind, PyObject* obj, PyObject* name) {
   const char* text = name != nullptr && PyUnicode_Check(name) ? PyUnicode_AsUTF8(name) : nullptr;
   if (text == nullptr) {
     PyErr_Clear();
     text = "?";
   }
-  counts()[std::string(kind) + " " + Py_TYPE(obj)->tp_name + "." + text] += 1;
+  into[std::string(kind) + " " + Py_TYPE(obj)->tp_name + "." + text] += 1;
 }
 
-PyObject* module_attr_counts(PyObject*, PyObject*) {
+void count(const char* kind, PyObject* obj, PyObject* name) { count_into(counts(), kind, obj, name); }
+
+// the counts as a new dict, emptied (nullptr: error)
+PyObject* take(Counts& from) {
   PyObject* out = PyDict_New();
-  for (const auto& kv : counts()) {
+  for (const auto& kv : from) {
     PyObject* n = out ? PyLong_FromLongLong(kv.second) : nullptr;
     if (n == nullptr || PyDict_SetItemString(out, kv.first.c_str(), n) < 0) {
       Py_XDECREF(n);
@@ -40,11 +52,17 @@ PyObject* module_attr_counts(PyObject*, PyObject*) {
     }
     Py_DECREF(n);
   }
-  counts().clear();
+  from.clear();
   return out;
 }
 
+PyObject* module_attr_counts(PyObject*, PyObject*) { return take(counts()); }
+
+PyObject* module_slot_counts(PyObject*, PyObject*) { return take(slot_counts()); }
+
 }  // namespace
+
+void count_slot_access(const char* kind, PyObject* obj, PyObject* name) { count_into(slot_counts(), kind, obj, name); }
 
 // the function-like macros in common.h do not expand a parenthesised name: these call the C-API's own functions
 PyObject* counted_getattr(PyObject* obj, PyObject* name) {
@@ -60,6 +78,9 @@ int counted_setattr(PyObject* obj, PyObject* name, PyObject* value) {
 PyMethodDef attr_count_methods[] = {
     {"attr_counts", module_attr_counts, METH_NOARGS,
      "attr_counts(): {'get|set type.name': count} since the last call (a counting build only)"},
+    {"slot_counts", module_slot_counts, METH_NOARGS,
+     "slot_counts(): {'get|set type.name': count} of the direct slot reads and writes since the last call (a "
+     "counting build only)"},
     {nullptr, nullptr, 0, nullptr}};
 #else
 PyMethodDef attr_count_methods[] = {{nullptr, nullptr, 0, nullptr}};

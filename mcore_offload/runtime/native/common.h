@@ -27,6 +27,8 @@
 namespace mco {
 PyObject* counted_getattr(PyObject* obj, PyObject* name);
 int counted_setattr(PyObject* obj, PyObject* name, PyObject* value);
+// member_slots.cpp's direct slot reads and writes ("get" / "set"), counted apart from the generic calls
+void count_slot_access(const char* kind, PyObject* obj, PyObject* name);
 }  // namespace mco
 #define PyObject_GetAttr(obj, name) mco::counted_getattr(obj, name)
 #define PyObject_SetAttr(obj, name, value) mco::counted_setattr(obj, name, value)
@@ -295,6 +297,11 @@ PyObject* new_entry(PyObject* point, PyObject* nbytes, PyObject* host, PyObject*
 PyObject* new_released(PyObject* handler, PyObject* ptr, PyObject* entry);
 void entry_set_storage_ref(PyObject* entry, PyObject* weak);
 bool entry_types_ready(PyObject* module);
+// entry.cpp: Entry's type once readied (nullptr before); the address of the field of an exact Entry that an
+// interned name names (nullptr: none of its fields, or a name not interned). Entry is a static type that cannot be
+// subclassed and whose attributes cannot be replaced, so its members are always these fields (member_slots.cpp).
+extern PyTypeObject* g_entry_type;
+PyObject** entry_field_named(PyObject* entry, PyObject* name);
 // member_slots.cpp: getattr / setattr that read and write an object's slot directly where the generic path would
 // end in that slot's member descriptor (the runtime's state classes keep what our C++ touches in __slots__, Entry and
 // SavedRef are C types with members), and read a module's dict directly; the generic path otherwise, with its

@@ -221,6 +221,45 @@ void entry_set_storage_ref(PyObject* entry, PyObject* weak) {
   Py_XSETREF(reinterpret_cast<Entry*>(entry)->storage_ref, weak);
 }
 
+PyTypeObject* g_entry_type = nullptr;
+
+namespace {
+
+// the fields' interned names, the most read first (cpu_attr_counts.py's slot counts), and their offsets
+#define MCO_ENTRY_FIELDS_BY_USE(X) \
+  X(device_storage) X(host) X(nbytes) X(point) X(compute_waited) X(users) X(off_device) X(h2d_event) X(h2d_seq) \
+  X(d2h_event) X(storage_ref) X(device_ptr) X(peak_key)
+#define MCO_ONE(name) +1
+constexpr int kEntryFields = 0 MCO_ENTRY_FIELDS_BY_USE(MCO_ONE);
+#undef MCO_ONE
+PyObject* g_entry_names[kEntryFields];
+#define MCO_OFFSET(name) offsetof(Entry, name),
+constexpr size_t kEntryOffsets[kEntryFields] = {MCO_ENTRY_FIELDS_BY_USE(MCO_OFFSET)};
+#undef MCO_OFFSET
+
+bool intern_entry_names() {
+  const char* names[] = {
+#define MCO_TEXT(name) #name,
+      MCO_ENTRY_FIELDS_BY_USE(MCO_TEXT)
+#undef MCO_TEXT
+  };
+  for (int i = 0; i < kEntryFields; ++i) {
+    if (g_entry_names[i] == nullptr && (g_entry_names[i] = PyUnicode_InternFromString(names[i])) == nullptr)
+      return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+PyObject** entry_field_named(PyObject* entry, PyObject* name) {
+  for (int i = 0; i < kEntryFields; ++i) {
+    if (g_entry_names[i] == name)
+      return reinterpret_cast<PyObject**>(reinterpret_cast<char*>(entry) + kEntryOffsets[i]);
+  }
+  return nullptr;
+}
+
 bool entry_types_ready(PyObject* module) {
   EntryType.tp_name = "mcore_offload_native.Entry";
   EntryType.tp_basicsize = sizeof(Entry);
@@ -242,8 +281,11 @@ bool entry_types_ready(PyObject* module) {
   ReleasedType.tp_vectorcall_offset = offsetof(Released, vectorcall);
   ReleasedType.tp_call = PyVectorcall_Call;
 
-  return PyType_Ready(&EntryType) == 0 && PyType_Ready(&ReleasedType) == 0 &&
-         PyModule_AddObjectRef(module, "Entry", reinterpret_cast<PyObject*>(&EntryType)) == 0;
+  if (PyType_Ready(&EntryType) < 0 || PyType_Ready(&ReleasedType) < 0 || !intern_entry_names() ||
+      PyModule_AddObjectRef(module, "Entry", reinterpret_cast<PyObject*>(&EntryType)) < 0)
+    return false;
+  g_entry_type = &EntryType;
+  return true;
 }
 
 }  // namespace mco
