@@ -5,7 +5,7 @@
 # with what it carries, 64 MiB in all. By session 47 benchmarks/results held 38 of the tree's 41 MB, which left
 # under 19 MB a call for the transformer-engine wheel: ten staging calls, and no room for one more session's results
 # (restage_pieces.sh allows ten pieces). The GPU calls need only the two result folders whose scripts they run
-# (issue5-session25/setup.sh, issue5-session30/run_cfg.sh). Aside, the tree is about 5 MB and the wheel goes in the
+# (issue5-session25/setup.sh, issue5-session30/run_cfg.sh, issue5-session44/perf_run.sh). Aside, the tree is about 5 MB and the wheel goes in the
 # four pieces of ../shared's stage.sh.
 #
 #   bash benchmarks/gpu/results_aside.sh aside   # before restage_pieces.sh and the device calls
@@ -18,7 +18,7 @@
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 cd "$root"
-keep=" issue5-session25 issue5-session30 "  # the setup and run scripts of the GPU calls
+keep=" issue5-session25 issue5-session30 issue5-session44 "  # the setup, run and perf-run scripts of the GPU calls
 case "${1:-}" in
   aside)
     [ ! -e .gpu/aside ] || { echo ".gpu/aside exists: run 'bash $0 back' first" >&2; exit 1; }
