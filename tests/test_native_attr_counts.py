@@ -70,3 +70,6 @@ def test_the_runtimes_own_state_is_read_from_slots_in_a_pipelined_step(tmp_path)
     generic = {key: per for key, per in counts["by_type"] if key.split(" ", 1)[1].rsplit(".", 1)[-1] in ours}
     assert generic == {}
     assert counts["total"] > 0  # the counting build did count (the transport's events, torch's objects)
+    # the direct accesses are counted apart (slot_counts()): an Entry's fields and the state classes' slots
+    direct = dict(counts["slots"]["by_type"])
+    assert direct.get("get mcore_offload_native.Entry", 0) > 0 and direct.get("get ChunkOffloadHandler", 0) > 0

@@ -4,9 +4,9 @@
 # Why: every device call uploads the working tree (the tracked files present, the untracked ones git does not ignore)
 # with what it carries, 64 MiB in all. By session 47 benchmarks/results held 38 of the tree's 41 MB, which left
 # under 19 MB a call for the transformer-engine wheel: ten staging calls, and no room for one more session's results
-# (restage_pieces.sh allows ten pieces). The GPU calls need only the two result folders whose scripts they run
-# (issue5-session25/setup.sh, issue5-session30/run_cfg.sh, issue5-session44/perf_run.sh). Aside, the tree is about 5 MB and the wheel goes in the
-# four pieces of ../shared's stage.sh.
+# (restage_pieces.sh allows ten pieces). The GPU calls need only the result folders whose scripts they run
+# (issue5-session25/setup.sh, issue5-session30/run_cfg.sh, issue5-session44/perf_run.sh). Aside, the tree is about
+# 6 MB and the wheel goes in the four pieces of ../shared's stage.sh.
 #
 #   bash benchmarks/gpu/results_aside.sh aside   # before restage_pieces.sh and the device calls
 #   bash benchmarks/gpu/results_aside.sh back    # after the last device call, before any commit

@@ -1,6 +1,7 @@
 // The counting build's attr_counts() (see MCO_COUNT_ATTRS in common.h and benchmarks/cpu_attr_counts.py): every
-// generic attribute read and write the native runtime makes, by "get|set <type>.<name>", since the last call. Only
-// compiled in where MCORE_OFFLOAD_NATIVE_COUNT_ATTRS=1 built the module; other builds add no function.
+// generic attribute read and write the native runtime makes, by "get|set <type>.<name>", since the last call; and
+// slot_counts(): the same for the reads and writes member_slots.cpp makes straight to a slot or an Entry's field.
+// Only compiled in where MCORE_OFFLOAD_NATIVE_COUNT_ATTRS=1 built the module; other builds add no function.
 
 #include "common.h"
 
