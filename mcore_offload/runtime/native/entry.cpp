@@ -225,22 +225,19 @@ PyTypeObject* g_entry_type = nullptr;
 
 namespace {
 
-// the fields' interned names, the most read first (cpu_attr_counts.py's slot counts), and their offsets
-#define MCO_ENTRY_FIELDS_BY_USE(X) \
-  X(device_storage) X(host) X(nbytes) X(point) X(compute_waited) X(users) X(off_device) X(h2d_event) X(h2d_seq) \
-  X(d2h_event) X(storage_ref) X(device_ptr) X(peak_key)
+// the fields' interned names and their offsets, in the struct's order
 #define MCO_ONE(name) +1
-constexpr int kEntryFields = 0 MCO_ENTRY_FIELDS_BY_USE(MCO_ONE);
+constexpr int kEntryFields = 0 MCO_ENTRY_FIELDS(MCO_ONE);
 #undef MCO_ONE
 PyObject* g_entry_names[kEntryFields];
 #define MCO_OFFSET(name) offsetof(Entry, name),
-constexpr size_t kEntryOffsets[kEntryFields] = {MCO_ENTRY_FIELDS_BY_USE(MCO_OFFSET)};
+constexpr size_t kEntryOffsets[kEntryFields] = {MCO_ENTRY_FIELDS(MCO_OFFSET)};
 #undef MCO_OFFSET
 
 bool intern_entry_names() {
   const char* names[] = {
 #define MCO_TEXT(name) #name,
-      MCO_ENTRY_FIELDS_BY_USE(MCO_TEXT)
+      MCO_ENTRY_FIELDS(MCO_TEXT)
 #undef MCO_TEXT
   };
   for (int i = 0; i < kEntryFields; ++i) {
