@@ -74,6 +74,14 @@ def job(rank: int, world_size: int, lib: str, vpp: int | None, args: dict[str, A
             "slots": per_layer_mb(slots, layer_mbs)}
 
 
+def print_ranked(counts: dict[str, Any], top: int) -> None:
+    """``per_layer_mb``'s rows, by type and by name, the ``top`` largest of each."""
+    for title, rows in (("by type", counts["by_type"]), ("by name", counts["by_name"])):
+        print(f"  {title}:")
+        for key, per in rows[:top]:
+            print(f"  {per:>9.2f}  {key}")
+
+
 def main(argv: list[str] | None = None) -> int:
     from cpu_pipeline_host import rank0_on_stub, stub_layout_args
 
@@ -86,17 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"rank 0, {args.layout}, {out['layer_microbatches_a_step']} layer-microbatches a step: "
           f"{out['total']:.1f} generic attribute calls of the C++ runtime a layer-microbatch "
           f"({out['get']:.1f} reads, {out['set']:.1f} writes)")
-    for title, rows in (("by type", out["by_type"]), ("by name", out["by_name"])):
-        print(f"  {title}:")
-        for key, per in rows[:args.top]:
-            print(f"  {per:>9.2f}  {key}")
+    print_ranked(out, args.top)
     slots = out["slots"]
     print(f"direct slot accesses (member_slots.cpp, not C-API calls): {slots['total']:.1f} a layer-microbatch "
           f"({slots['get']:.1f} reads, {slots['set']:.1f} writes)")
-    for title, rows in (("by type", slots["by_type"]), ("by name", slots["by_name"])):
-        print(f"  {title}:")
-        for key, per in rows[:args.top]:
-            print(f"  {per:>9.2f}  {key}")
+    print_ranked(slots, args.top)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"args": vars(args), **out}, indent=1))
     return 0
