@@ -141,6 +141,32 @@ def test_the_cpp_unpack_hook_rebuilds_a_view_with_its_layout(module):
     assert got.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
 
 
+def test_the_cpp_ref_keeps_its_layout_as_values_python_reads_and_writes(module):
+    """SavedRef's dtype / offset / size / stride live in C++ (no Python ints or tuples kept): None until set, read
+    back as the torch.dtype, an int and tuples, refused when of the wrong type (the old value kept), never deleted;
+    a layout with a field missing is not rebuilt."""
+    handler = _handler()
+    base = torch.arange(48, dtype=torch.float16)
+    ref = module.SavedRef(base, handler.open_group("core_attn"), "core_attn")
+    assert (ref.dtype, ref.offset, ref.size, ref.stride) == (None, None, None, None)
+    ref.dtype, ref.offset, ref.size, ref.stride = torch.float16, 3, torch.Size([5, 9]), [9, 1]
+    assert (ref.dtype, ref.offset, ref.size, ref.stride) == (torch.float16, 3, (5, 9), (9, 1))
+    assert type(ref.size) is tuple and type(ref.stride) is tuple
+    for field, bad in (("dtype", "float16"), ("offset", 2.5), ("size", (5, "9")), ("stride", 7)):
+        with pytest.raises(TypeError):
+            setattr(ref, field, bad)
+        with pytest.raises(AttributeError, match="cannot be deleted"):
+            delattr(ref, field)
+    assert (ref.dtype, ref.offset, ref.size, ref.stride) == (torch.float16, 3, (5, 9), (9, 1))
+    entry = _Entry(base.untyped_storage())
+    ref.entry, ref.tensor = entry, None
+    got = module.Unpacker(handler)(ref)
+    assert torch.equal(got, base[3:].as_strided((5, 9), (9, 1))) and got.storage_offset() == 3
+    ref.stride = None
+    with pytest.raises(RuntimeError, match="lacks its view's layout"):
+        module.Unpacker(handler)(ref)
+
+
 def test_an_entry_back_but_not_yet_waited_for_waits_once_then_rebuilds(module, monkeypatch):
     """A split chain's first point: its storage is back and the compute stream has not waited for its burst yet. The
     unpack hook makes handler._rebuild's wait itself (transport.wait_reload with the entry's event and burst number),

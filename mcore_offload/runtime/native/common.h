@@ -8,6 +8,7 @@
 #include <Python.h>
 #include <structmember.h>
 
+#include <ATen/DimVector.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/csrc/DynamicTypes.h>
@@ -18,6 +19,7 @@
 
 #include <chrono>
 #include <initializer_list>
+#include <new>
 #include <vector>
 
 // A benchmark build (MCORE_OFFLOAD_NATIVE_COUNT_ATTRS=1, see __init__.py) counts every generic attribute read and
@@ -142,19 +144,35 @@ int attr_true(PyObject* obj, PyObject* name);
 // getattr(obj, name) as a C long (-1 with an error set on failure; callers check PyErr_Occurred)
 long attr_long(PyObject* obj, PyObject* name);
 
-// What the pack hook returns for an eligible tensor (saved.SavedRef's fields, read and written by the handler)
+// A saved view's layout in its storage, recorded when the storage is attached to an entry and read when the view is
+// rebuilt. Kept as C++ values: as Python ints and tuples it cost about 100 C-API calls a layer-microbatch (their
+// building at attach and their parsing at rebuild, session 50's count), and a tuple per field kept alive until
+// backward. Python reads and writes it through SavedRef's dtype / offset / size / stride (None until set).
+struct ViewLayout {
+  bool has_dtype = false;
+  bool has_offset = false;
+  bool has_size = false;
+  bool has_stride = false;
+  at::ScalarType dtype = at::ScalarType::Undefined;
+  int64_t offset = 0;
+  at::DimVector sizes;
+  at::DimVector strides;
+  bool complete() const { return has_dtype && has_offset && has_size && has_stride; }
+};
+
+// What the pack hook returns for an eligible tensor (saved.SavedRef's fields, read and written by the handler).
+// ``layout`` is constructed in place by new_saved_ref and destroyed by the type's dealloc (hooks.cpp).
 struct SavedRef {
   PyObject_HEAD
   PyObject* tensor;
   PyObject* group;
   PyObject* point;
   PyObject* entry;
-  PyObject* dtype;
-  PyObject* offset;
-  PyObject* size;
-  PyObject* stride;
+  ViewLayout layout;
 };
 extern PyTypeObject SavedRefType;
+// (1, 2, ...) as a Python tuple of ints (a new reference, or nullptr with an error set). hooks.cpp
+PyObject* int_tuple_of(c10::IntArrayRef values);
 
 // Byte totals per offload point over one burst, reported as summary.add(point, counter, total) per point: the
 // counters of manager.on_offloaded / on_reloaded for a whole burst (the same totals). module.cpp

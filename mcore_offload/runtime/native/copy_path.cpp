@@ -76,19 +76,6 @@ PyObject* storages_of(PyObject* groups) {
   END_HANDLE_TH_ERRORS
 }
 
-PyObject* int_tuple_of(c10::IntArrayRef values) {
-  PyObject* out = PyTuple_New(static_cast<Py_ssize_t>(values.size()));
-  for (size_t i = 0; out != nullptr && i < values.size(); ++i) {
-    PyObject* v = PyLong_FromLongLong(values[i]);
-    if (v == nullptr) {
-      Py_CLEAR(out);
-      break;
-    }
-    PyTuple_SET_ITEM(out, static_cast<Py_ssize_t>(i), v);
-  }
-  return out;
-}
-
 int set_attr_steal(PyObject* obj, const char* name, PyObject* value) {
   if (value == nullptr) return -1;
   int rc = PyObject_SetAttrString(obj, name, value);
@@ -104,29 +91,26 @@ int attach_one(PyObject* entry, PyObject* ref) {
     return -1;
   }
   const at::Tensor& t = THPVariable_Unpack(tensor);
-  PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type()));  // borrowed
-  PyObject* offset = PyLong_FromLongLong(t.storage_offset());
-  PyObject* size = offset ? int_tuple_of(t.sizes()) : nullptr;
-  PyObject* stride = size ? int_tuple_of(t.strides()) : nullptr;
   int rc = 0;
-  if (stride == nullptr) {
-    Py_XDECREF(offset);
-    Py_XDECREF(size);
-    rc = -1;
-  } else if (Py_TYPE(ref) == &SavedRefType) {
+  if (Py_TYPE(ref) == &SavedRefType) {  // the layout as C++ values (ViewLayout: no Python ints or tuples)
     SavedRef* r = reinterpret_cast<SavedRef*>(ref);
-    Py_INCREF(dtype);
+    ViewLayout& layout = r->layout;
+    layout.dtype = t.scalar_type();
+    layout.offset = t.storage_offset();
+    layout.sizes.assign(t.sizes().begin(), t.sizes().end());
+    layout.strides.assign(t.strides().begin(), t.strides().end());
+    layout.has_dtype = layout.has_offset = layout.has_size = layout.has_stride = true;
     Py_INCREF(entry);
-    Py_XSETREF(r->dtype, dtype);
-    Py_XSETREF(r->offset, offset);
-    Py_XSETREF(r->size, size);
-    Py_XSETREF(r->stride, stride);
     Py_XSETREF(r->entry, entry);
     Py_CLEAR(r->tensor);  // reads as None
   } else {
+    PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type()));  // borrowed
     Py_INCREF(dtype);
-    rc = set_attr_steal(ref, "dtype", dtype) < 0 || set_attr_steal(ref, "offset", offset) < 0 ||
-                 set_attr_steal(ref, "size", size) < 0 || set_attr_steal(ref, "stride", stride) < 0 ||
+    // each value is made just before it is set (set_attr_steal takes it), so a failure leaks nothing
+    rc = set_attr_steal(ref, "dtype", dtype) < 0 ||
+                 set_attr_steal(ref, "offset", PyLong_FromLongLong(t.storage_offset())) < 0 ||
+                 set_attr_steal(ref, "size", int_tuple_of(t.sizes())) < 0 ||
+                 set_attr_steal(ref, "stride", int_tuple_of(t.strides())) < 0 ||
                  set_attr(ref, MCO_NAME("entry"), entry) < 0 || set_attr(ref, MCO_NAME("tensor"), Py_None) < 0
              ? -1
              : 0;

@@ -46,21 +46,127 @@ PyMemberDef saved_ref_members[] = {
     {"group", T_OBJECT, offsetof(SavedRef, group), 0, nullptr},
     {"point", T_OBJECT, offsetof(SavedRef, point), 0, nullptr},
     {"entry", T_OBJECT, offsetof(SavedRef, entry), 0, nullptr},
-    {"dtype", T_OBJECT, offsetof(SavedRef, dtype), 0, nullptr},
-    {"offset", T_OBJECT, offsetof(SavedRef, offset), 0, nullptr},
-    {"size", T_OBJECT, offsetof(SavedRef, size), 0, nullptr},
-    {"stride", T_OBJECT, offsetof(SavedRef, stride), 0, nullptr},
     {nullptr, 0, 0, 0, nullptr}};
+
+PyObject* int_tuple_of(c10::IntArrayRef values) {
+  PyObject* out = PyTuple_New(static_cast<Py_ssize_t>(values.size()));
+  for (size_t i = 0; out != nullptr && i < values.size(); ++i) {
+    PyObject* v = PyLong_FromLongLong(values[i]);
+    if (v == nullptr) {
+      Py_CLEAR(out);
+      break;
+    }
+    PyTuple_SET_ITEM(out, static_cast<Py_ssize_t>(i), v);
+  }
+  return out;
+}
+
+namespace {
+
+// The layout's fields as Python sees them (saved.SavedRef's dtype, offset, size, stride): None until set; a set
+// size or stride reads back as a tuple of ints, the dtype as the torch.dtype.
+PyObject* saved_ref_get_dtype(SavedRef* self, void*) {
+  if (!self->layout.has_dtype) Py_RETURN_NONE;
+  PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(self->layout.dtype));
+  Py_INCREF(dtype);
+  return dtype;
+}
+
+PyObject* saved_ref_get_offset(SavedRef* self, void*) {
+  if (!self->layout.has_offset) Py_RETURN_NONE;
+  return PyLong_FromLongLong(self->layout.offset);
+}
+
+PyObject* saved_ref_get_size(SavedRef* self, void*) {
+  if (!self->layout.has_size) Py_RETURN_NONE;
+  return int_tuple_of(self->layout.sizes);
+}
+
+PyObject* saved_ref_get_stride(SavedRef* self, void*) {
+  if (!self->layout.has_stride) Py_RETURN_NONE;
+  return int_tuple_of(self->layout.strides);
+}
+
+bool refuse_delete(PyObject* value, const char* field) {
+  if (value != nullptr) return false;
+  PyErr_Format(PyExc_AttributeError, "SavedRef.%s cannot be deleted; set it to None instead", field);
+  return true;
+}
+
+int saved_ref_set_dtype(SavedRef* self, PyObject* value, void*) {
+  if (refuse_delete(value, "dtype")) return -1;
+  if (value == Py_None) {
+    self->layout.has_dtype = false;
+    return 0;
+  }
+  if (!THPDtype_Check(value)) {
+    PyErr_SetString(PyExc_TypeError, "SavedRef.dtype must be a torch.dtype or None");
+    return -1;
+  }
+  self->layout.dtype = reinterpret_cast<THPDtype*>(value)->scalar_type;
+  self->layout.has_dtype = true;
+  return 0;
+}
+
+int saved_ref_set_offset(SavedRef* self, PyObject* value, void*) {
+  if (refuse_delete(value, "offset")) return -1;
+  if (value == Py_None) {
+    self->layout.has_offset = false;
+    return 0;
+  }
+  long long offset = PyLong_AsLongLong(value);
+  if (offset == -1 && PyErr_Occurred()) return -1;
+  self->layout.offset = offset;
+  self->layout.has_offset = true;
+  return 0;
+}
+
+// size or stride from a sequence of ints (torch.Size, a tuple, a list); unchanged on error
+int set_dims(PyObject* value, const char* field, bool& has, at::DimVector& out) {
+  if (refuse_delete(value, field)) return -1;
+  if (value == Py_None) {
+    has = false;
+    return 0;
+  }
+  Ref seq(PySequence_Fast(value, "SavedRef.size and SavedRef.stride must be sequences of ints or None"));
+  if (!seq) return -1;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.get());
+  at::DimVector dims(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    dims[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq.get(), i));
+    if (dims[i] == -1 && PyErr_Occurred()) return -1;
+  }
+  out = std::move(dims);
+  has = true;
+  return 0;
+}
+
+int saved_ref_set_size(SavedRef* self, PyObject* value, void*) {
+  return set_dims(value, "size", self->layout.has_size, self->layout.sizes);
+}
+
+int saved_ref_set_stride(SavedRef* self, PyObject* value, void*) {
+  return set_dims(value, "stride", self->layout.has_stride, self->layout.strides);
+}
+
+PyGetSetDef saved_ref_getset[] = {
+    {"dtype", reinterpret_cast<getter>(saved_ref_get_dtype), reinterpret_cast<setter>(saved_ref_set_dtype), nullptr,
+     nullptr},
+    {"offset", reinterpret_cast<getter>(saved_ref_get_offset), reinterpret_cast<setter>(saved_ref_set_offset),
+     nullptr, nullptr},
+    {"size", reinterpret_cast<getter>(saved_ref_get_size), reinterpret_cast<setter>(saved_ref_set_size), nullptr,
+     nullptr},
+    {"stride", reinterpret_cast<getter>(saved_ref_get_stride), reinterpret_cast<setter>(saved_ref_set_stride),
+     nullptr, nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr}};
+
+}  // namespace
 
 int saved_ref_traverse(SavedRef* self, visitproc visit, void* arg) {
   Py_VISIT(self->tensor);
   Py_VISIT(self->group);
   Py_VISIT(self->point);
   Py_VISIT(self->entry);
-  Py_VISIT(self->dtype);
-  Py_VISIT(self->offset);
-  Py_VISIT(self->size);
-  Py_VISIT(self->stride);
   return 0;
 }
 
@@ -69,16 +175,13 @@ int saved_ref_clear(SavedRef* self) {
   Py_CLEAR(self->group);
   Py_CLEAR(self->point);
   Py_CLEAR(self->entry);
-  Py_CLEAR(self->dtype);
-  Py_CLEAR(self->offset);
-  Py_CLEAR(self->size);
-  Py_CLEAR(self->stride);
   return 0;
 }
 
 void saved_ref_dealloc(SavedRef* self) {
   PyObject_GC_UnTrack(self);
   saved_ref_clear(self);
+  self->layout.~ViewLayout();
   Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
 }
 
@@ -93,7 +196,8 @@ PyObject* new_saved_ref(PyObject* tensor, PyObject* group, PyObject* point) {
   ref->tensor = tensor;
   ref->group = group;
   ref->point = point;
-  ref->entry = ref->dtype = ref->offset = ref->size = ref->stride = nullptr;
+  ref->entry = nullptr;
+  new (&ref->layout) ViewLayout();  // PyObject_GC_New does not construct C++ members
   PyObject_GC_Track(ref);
   return reinterpret_cast<PyObject*>(ref);
 }
@@ -282,35 +386,16 @@ void unpacker_dealloc(Unpacker* self) {
   Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
 }
 
-bool int_tuple(PyObject* seq, std::vector<int64_t>& out) {
-  if (!PyTuple_Check(seq)) return false;  // torch.Size is a tuple subclass; stride() answers a tuple
-  Py_ssize_t n = PyTuple_GET_SIZE(seq);
-  out.resize(n);
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    out[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(seq, i));
-    if (out[i] == -1 && PyErr_Occurred()) return false;
-  }
-  return true;
-}
-
 // The view of a reloaded entry (handler._rebuild's last two lines), or nullptr with an error set
 PyObject* rebuild_view(SavedRef* ref, PyObject* device_storage) {
-  if (ref->dtype == nullptr || !THPDtype_Check(ref->dtype) || ref->offset == nullptr || ref->size == nullptr ||
-      ref->stride == nullptr || !THPStorage_Check(device_storage)) {
+  const ViewLayout& layout = ref->layout;
+  if (!layout.complete() || !THPStorage_Check(device_storage)) {
     PyErr_SetString(PyExc_RuntimeError, "mcore-offload: an offloaded saved tensor lacks its view's layout; this is "
                                         "a bug, please report it with the model configuration.");
     return nullptr;
   }
-  int64_t offset = PyLong_AsLongLong(ref->offset);
-  if (offset == -1 && PyErr_Occurred()) return nullptr;
-  std::vector<int64_t> sizes, strides;
-  if (!int_tuple(ref->size, sizes) || !int_tuple(ref->stride, strides)) {
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "a saved view's size and stride must be tuples");
-    return nullptr;
-  }
   const c10::Storage& storage = THPStorage_Unpack(device_storage);
-  at::ScalarType dtype = reinterpret_cast<THPDtype*>(ref->dtype)->scalar_type;
-  return THPVariable_Wrap(view_of(storage, dtype, offset, sizes, strides));
+  return THPVariable_Wrap(view_of(storage, layout.dtype, layout.offset, layout.sizes, layout.strides));
 }
 
 PyObject* unpacker_unpack(Unpacker* self, PyObject* tag) {
@@ -462,6 +547,7 @@ bool hook_types_ready(PyObject* module) {
   SavedRefType.tp_traverse = reinterpret_cast<traverseproc>(saved_ref_traverse);
   SavedRefType.tp_clear = reinterpret_cast<inquiry>(saved_ref_clear);
   SavedRefType.tp_members = saved_ref_members;
+  SavedRefType.tp_getset = saved_ref_getset;
 
   PackerType.tp_name = "mcore_offload_native.Packer";
   PackerType.tp_basicsize = sizeof(Packer);
