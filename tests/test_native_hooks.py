@@ -260,6 +260,21 @@ def test_ranks_building_at_once_into_an_empty_cache_all_load_it(tmp_path):
     assert len(paths) == 1 and str(directory) in paths.pop()
 
 
+def test_the_build_compiles_one_file_that_includes_every_source_and_keeps_it_while_unchanged(tmp_path):
+    """One translation unit (the headers parsed once); the file is not rewritten when its text is the same, since a
+    newer file would make ninja compile again on every load."""
+    import os
+
+    path = native.unity_source(tmp_path)
+    lines = path.read_text().splitlines()
+    assert [line for line in lines if line.startswith("#include")] == [f'#include "{p}"' for p in native.SOURCES]
+    os.utime(path, (1, 1))
+    assert native.unity_source(tmp_path) == path and path.stat().st_mtime == 1
+    path.write_text("// stale\n")
+    native.unity_source(tmp_path)
+    assert path.read_text().splitlines() == lines
+
+
 def _saved_groups(ref_type, handler):
     """Two groups saving q, k, v views of one fused storage, a tensor of its own, and one view again."""
     fused = torch.randn(8, 48)

@@ -25,8 +25,6 @@ namespace {
 
 PyObject* s_backward_started;
 PyObject* s_manager;
-PyObject* s_chain;
-PyObject* s_forward_handler;
 PyObject* s_pending;
 PyObject* s_marks;
 PyObject* s_reload_layers;
@@ -48,7 +46,6 @@ PyObject* s_late_method;
 PyObject* s_prefetch_layer_below;
 PyObject* s_finish;
 PyObject* s_opened;
-PyObject* s_refs;
 PyObject* s_storage_ref;
 PyObject* s_live;
 PyObject* s_pool;
@@ -56,7 +53,6 @@ PyObject* s_routed_owner;
 PyObject* s_free;
 PyObject* s_release_host;
 PyObject* s_split_chains;
-PyObject* s_points;
 
 int set_long(PyObject* obj, PyObject* name, long value) {
   Ref v(PyLong_FromLong(value));
@@ -474,18 +470,18 @@ PyObject* module_finish_release(PyObject*, PyObject* args) {
 
 bool backward_names_ready() {
   static const NameSlot names[] = {
-      {&s_backward_started, "backward_started"}, {&s_manager, "manager"}, {&s_chain, "chain"},
-      {&s_forward_handler, "forward_handler"}, {&s_pending, "pending"}, {&s_marks, "marks"},
+      {&s_backward_started, "backward_started"}, {&s_manager, "manager"},
+      {&s_pending, "pending"}, {&s_marks, "marks"},
       {&s_reload_layers, "reload_layers"}, {&s_prefetch, "prefetch"}, {&s_layers, "layers"},
       {&s_chunk_layers, "_chunk_layers"}, {&s_vp_stage, "vp_stage"}, {&s_entries, "entries"},
       {&s_transport, "transport"}, {&s_index, "index"}, {&s_layer, "layer"},
       {&s_groups, "groups"}, {&s_kept_on_device, "kept_on_device"}, {&s_done, "done"},
       {&s_reload_bursts, "reload_bursts"}, {&s_current_group, "current_group"}, {&s_groups_done, "groups_done"},
       {&s_late_method, "_late"}, {&s_prefetch_layer_below, "_prefetch_layer_below"}, {&s_finish, "finish"},
-      {&s_opened, "opened"}, {&s_refs, "refs"}, {&s_storage_ref, "storage_ref"}, {&s_live, "live"},
+      {&s_opened, "opened"}, {&s_storage_ref, "storage_ref"}, {&s_live, "live"},
       {&s_pool, "pool"},
       {&s_routed_owner, "_routed_owner"}, {&s_free, "_free"},
-      {&s_release_host, "release_host"}, {&s_split_chains, "split_chains"}, {&s_points, "points"}};
+      {&s_release_host, "release_host"}, {&s_split_chains, "split_chains"}};
   return intern_names(names, sizeof(names) / sizeof(names[0]));
 }
 

@@ -73,6 +73,11 @@ extern PyObject* s_reload_seq;
 extern PyObject* s_released_in_forward;
 extern PyObject* s_released_late;
 extern PyObject* s_off_device_bytes;
+// read by both the forward glue (points_block.cpp) and a group's backward (backward.cpp)
+extern PyObject* s_forward_handler;
+extern PyObject* s_chain;
+extern PyObject* s_points;
+extern PyObject* s_refs;
 
 // a Python string to intern into a global slot (module.cpp: intern_names, each text into its slot; false: error set)
 struct NameSlot {
@@ -97,6 +102,10 @@ bool intern_names(const NameSlot* names, size_t count);
 PyObject* get_attr(PyObject* obj, PyObject* name);
 int set_attr(PyObject* obj, PyObject* name, PyObject* value);
 PyObject* call_method(PyObject* obj, PyObject* name, std::initializer_list<PyObject*> args = {});
+
+// list.pop() of a non-empty exact list (a new reference), or nullptr without an error for an empty one, another
+// type or nullptr (link_calls.cpp; the event and host-buffer pools' free lists)
+PyObject* pop_last(PyObject* list);
 
 // An owned Python reference, let go at the end of its scope (backward.cpp, pool_calls.cpp)
 class Ref {

@@ -19,9 +19,6 @@
 
 namespace mco {
 
-namespace {
-
-// list.pop() of a non-empty list (a new reference), or nullptr without an error for an empty one or no list
 PyObject* pop_last(PyObject* list) {
   if (list == nullptr || !PyList_CheckExact(list)) return nullptr;
   Py_ssize_t n = PyList_GET_SIZE(list);
@@ -34,6 +31,8 @@ PyObject* pop_last(PyObject* list) {
   }
   return last;
 }
+
+namespace {
 
 // event.record's work on ``stream`` with the bursts' entry point (``event``: an object with an integer ``handle``);
 // false: error set

@@ -36,6 +36,10 @@ PyObject* s_reload_seq;
 PyObject* s_released_in_forward;
 PyObject* s_released_late;
 PyObject* s_off_device_bytes;
+PyObject* s_forward_handler;
+PyObject* s_chain;
+PyObject* s_points;
+PyObject* s_refs;
 
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -236,7 +240,11 @@ bool intern_all() {
                                    {&s_released_in_forward, "released_in_forward"},
                                    {&s_released_late, "released_late"},
                                    {&s_off_device_bytes, "off_device_bytes"},
-                                   {&s_reload_seq, "reload_seq"}};
+                                   {&s_reload_seq, "reload_seq"},
+                                   {&s_forward_handler, "forward_handler"},
+                                   {&s_chain, "chain"},
+                                   {&s_points, "points"},
+                                   {&s_refs, "refs"}};
   return intern_names(names, sizeof(names) / sizeof(names[0]));
 }
 

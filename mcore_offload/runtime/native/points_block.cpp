@@ -34,16 +34,12 @@ PyObject* s_on_group_commit_backward;
 
 namespace {
 
-PyObject* s_forward_handler;
 PyObject* s_config;
 PyObject* s_auto;
 PyObject* s_enabled_points;
-PyObject* s_chain;
 PyObject* s_close_chain;
 PyObject* s_open_group;
 PyObject* s_node_hooks;
-PyObject* s_points;
-PyObject* s_refs;
 PyObject* s_rejected;
 PyObject* s_open_groups;
 PyObject* s_announced_points;
@@ -457,10 +453,10 @@ PyMethodDef point_methods[] = {
 bool point_types_ready(PyObject* module) {
   static const NameSlot names[] = {
       {&s_summary, "summary"}, {&s_on_group_backward_done, "on_group_backward_done"},
-      {&s_on_group_commit_backward, "on_group_commit_backward"}, {&s_forward_handler, "forward_handler"},
-      {&s_config, "config"}, {&s_auto, "auto"}, {&s_enabled_points, "enabled_points"}, {&s_chain, "chain"},
+      {&s_on_group_commit_backward, "on_group_commit_backward"},
+      {&s_config, "config"}, {&s_auto, "auto"}, {&s_enabled_points, "enabled_points"},
       {&s_close_chain, "close_chain"}, {&s_open_group, "open_group"}, {&s_node_hooks, "node_hooks"},
-      {&s_points, "points"}, {&s_refs, "refs"}, {&s_rejected, "rejected"}, {&s_open_groups, "open_groups"},
+      {&s_rejected, "rejected"}, {&s_open_groups, "open_groups"},
       {&s_announced_points, "announced_points"}, {&s_chaining, "chaining"},
       {&s_on_group_commit_forward, "on_group_commit_forward"},
       {&s_push_hooks, "_push_hooks"}, {&s_pop_hooks, "_pop_hooks"}};

@@ -20,18 +20,6 @@ long long size_class(long long nbytes) {
   return (nbytes + granule - 1) / granule * granule;
 }
 
-// The last item of ``free`` (a list of (buffer, event) pairs) taken off it, as a new reference
-PyObject* pop_last(PyObject* free) {
-  Py_ssize_t k = PyList_GET_SIZE(free) - 1;
-  PyObject* item = PyList_GET_ITEM(free, k);
-  Py_INCREF(item);
-  if (PyList_SetSlice(free, k, k + 1, nullptr) < 0) {
-    Py_DECREF(item);
-    return nullptr;
-  }
-  return item;
-}
-
 }  // namespace
 
 // HostBufferPool.acquire_base's common cases without its Python frame: a free buffer of the request's own size class,
