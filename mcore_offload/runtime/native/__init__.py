@@ -1,13 +1,13 @@
-"""The runtime's per-tensor and per-storage steps in C++ (``hooks.cpp``: the saved-tensor hooks; ``copy_path.cpp``,
-``held_checks.cpp`` and ``entry.cpp``: the copy-out; ``copy_calls.cpp``: the transport's copy loop and reload
-allocations; ``bursts.cpp``: the raw transport's copy bursts whole, with ``pool_calls.cpp`` (the pool's common
-answers) and ``burst_clock.cpp`` (their phase clock); ``reload.cpp``: the reload's bookkeeping; ``backward.cpp``: a
-group's backward (its reload, wait and prefetch, its end, the chunk's finish); ``node_hooks.cpp``:
-the group hooks on autograd nodes; ``points_block.cpp``: the offload points' forward glue; ``layer_boundary.cpp``: a
-layer's start; ``link_calls.cpp``: the telemetry's marks and spans, the done events and the reload waits;
-``event_type.cpp``: the pooled events; ``summary_calls.cpp`` and ``manager_calls.cpp``: the counters and the
-manager's bookkeeping those paths report to; ``member_slots.cpp``: attribute reads and writes straight to a slot;
-``module.cpp``: the module and what they share), built on first use
+"""The runtime's per-tensor and per-storage steps in C++ (``hooks.cpp``: the saved-tensor hooks, with
+``saved_ref.cpp``: what they save; ``copy_path.cpp``, ``held_checks.cpp`` and ``entry.cpp``: the copy-out;
+``copy_calls.cpp``: the transport's copy loop and reload allocations; ``bursts.cpp``: the raw transport's copy
+bursts whole, with ``pool_calls.cpp`` (the pool's common answers) and ``burst_clock.cpp`` (their phase clock);
+``reload.cpp``: the reload's bookkeeping; ``backward.cpp``: a group's backward (its reload, wait and prefetch, its
+end, the chunk's finish); ``node_hooks.cpp``: the group hooks on autograd nodes; ``points_block.cpp``: the offload
+points' forward glue; ``layer_boundary.cpp``: a layer's start; ``link_calls.cpp``: the telemetry's marks and spans,
+the done events and the reload waits; ``event_type.cpp``: the pooled events; ``summary_calls.cpp`` and
+``manager_calls.cpp``: the counters and the manager's bookkeeping those paths report to; ``member_slots.cpp``:
+attribute reads and writes straight to a slot; ``module.cpp``: the module and what they share), built on first use
 with PyTorch's extension builder, as one translation unit (:func:`unity_source`).
 
 Why: in a launch-bound step (config A on an H100) the runtime's host time is step time, and some of its steps run once
@@ -49,11 +49,11 @@ from mcore_offload.config import choice_env
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("module.cpp", "hooks.cpp", "copy_path.cpp", "held_checks.cpp", "copy_calls.cpp",
-                             "bursts.cpp", "pool_calls.cpp", "burst_clock.cpp", "entry.cpp", "reload.cpp",
-                             "backward.cpp", "node_hooks.cpp", "points_block.cpp", "link_calls.cpp",
-                             "summary_calls.cpp", "event_type.cpp", "layer_boundary.cpp",
-                             "manager_calls.cpp", "attr_counts.cpp", "member_slots.cpp"))
+                for name in ("module.cpp", "hooks.cpp", "saved_ref.cpp", "copy_path.cpp", "held_checks.cpp",
+                             "copy_calls.cpp", "bursts.cpp", "pool_calls.cpp", "burst_clock.cpp", "entry.cpp",
+                             "reload.cpp", "backward.cpp", "node_hooks.cpp", "points_block.cpp", "link_calls.cpp",
+                             "summary_calls.cpp", "event_type.cpp", "layer_boundary.cpp", "manager_calls.cpp",
+                             "attr_counts.cpp", "member_slots.cpp"))
 HEADERS = (Path(__file__).with_name("common.h"),)
 MODES = ("auto", "0", "1")
 
@@ -108,11 +108,11 @@ def unity_source(directory: Path) -> Path:
     """``directory``/all_sources.cpp: one file that includes every source, the one the builder compiles.
 
     Why: each source parses PyTorch's and Python's headers, about 20 s of a 2-core machine's compiler per file and
-    2.5 minutes for the twenty; the sources' own code takes a few seconds. One translation unit parses the headers
-    once: 20-25 s (session 51: 20 s on the 2-core machine, 22.5 s on the GPU host), for the first run on a machine
-    and for each of CI's builds. The sources therefore share one anonymous namespace: a name defined in two of them
-    fails to compile, so shared names live in ``module.cpp`` / ``common.h``. Rewritten only when its text changes:
-    a newer file would make ninja compile again."""
+    2.5 minutes for the twenty of session 51; the sources' own code takes a few seconds. One translation unit parses
+    the headers once: 20-25 s (session 51: 20 s on the 2-core machine, 22.5 s on the GPU host), for the first run on
+    a machine and for each of CI's builds. The sources therefore share one anonymous namespace: a name defined in
+    two of them fails to compile, so shared names live in ``module.cpp`` / ``common.h``. Rewritten only when its
+    text changes: a newer file would make ninja compile again."""
     path = directory / "all_sources.cpp"
     text = "// generated by mcore_offload.runtime.native.unity_source: every source, one translation unit\n" + "".join(
         f'#include "{source}"\n' for source in SOURCES)

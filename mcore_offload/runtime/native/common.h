@@ -170,7 +170,7 @@ struct ViewLayout {
 };
 
 // What the pack hook returns for an eligible tensor (saved.SavedRef's fields, read and written by the handler).
-// ``layout`` is constructed in place by new_saved_ref and destroyed by the type's dealloc (hooks.cpp).
+// ``layout`` is constructed in place by new_saved_ref and destroyed by the type's dealloc (saved_ref.cpp).
 struct SavedRef {
   PyObject_HEAD
   PyObject* tensor;
@@ -180,6 +180,8 @@ struct SavedRef {
   ViewLayout layout;
 };
 extern PyTypeObject SavedRefType;
+// saved_ref.cpp: a new SavedRef(tensor, group, point), its layout unset (nullptr: error set)
+PyObject* new_saved_ref(PyObject* tensor, PyObject* group, PyObject* point);
 // (1, 2, ...) as a Python tuple of ints (a new reference, or nullptr with an error set). hooks.cpp
 PyObject* int_tuple_of(c10::IntArrayRef values);
 
@@ -201,6 +203,8 @@ class PointTotals {
 
 // hooks.cpp: SavedRef, Packer and Unpacker readied and added to the module (false: error set)
 bool hook_types_ready(PyObject* module);
+// saved_ref.cpp: SavedRef's part of it
+bool saved_ref_type_ready(PyObject* module);
 
 // copy_path.cpp, held_checks.cpp, copy_calls.cpp, bursts.cpp and reload.cpp: their module functions
 extern PyMethodDef copy_path_methods[];
