@@ -41,12 +41,42 @@ class _Names:
         return table.get(m.group(1), value.strip())
 
 
+class Position:
+    """Where a callgrind file's reader stands: the current object and function, and the callee named for the next
+    ``calls=`` line (its object ``cob``: None for the caller's own). ``read`` takes one ``key=value`` line and says
+    whether it was a naming line."""
+
+    def __init__(self) -> None:
+        self.names = _Names()
+        self.ob: str | None = None
+        self.fn: str | None = None
+        self.cob: str | None = None
+        self.cfn: str | None = None
+
+    def read(self, key: str, value: str) -> bool:
+        if key == "ob":
+            self.ob = self.names.read("ob", value)
+        elif key == "fn":
+            self.fn, self.cob = self.names.read("fn", value), None
+        elif key == "cob":
+            self.cob = self.names.read("ob", value)
+        elif key == "cfn":
+            self.cfn = self.names.read("fn", value)
+        elif key in ("fl", "fi", "fe", "cfi", "cfl"):
+            self.names.read("fl", value)
+        else:
+            return False
+        return True
+
+    def callee_object(self) -> str | None:
+        return self.cob if self.cob is not None else self.ob
+
+
 def boundary_calls(path: Path, obj: str) -> dict[str, collections.Counter]:
     """Inclusive instructions of the calls from functions of objects matching ``obj`` into any other object:
     ``by_object`` (callee object), ``by_caller`` ((caller function, callee object)), ``by_callee`` ((callee object,
     callee function)) and ``calls`` (the same keys as ``by_callee``, call counts)."""
-    names = _Names()
-    ob = fn = cob = cfn = None
+    pos = Position()
     pending_calls: int | None = None
     out = {k: collections.Counter() for k in ("by_object", "by_caller", "by_callee", "calls")}
     with open(path, errors="replace") as f:
@@ -55,27 +85,17 @@ def boundary_calls(path: Path, obj: str) -> dict[str, collections.Counter]:
             if pending_calls is not None:  # the line after calls=: the call site and the callee's inclusive cost
                 parts = line.split()
                 cost = int(parts[1]) if len(parts) > 1 else 0
-                callee_ob = cob if cob is not None else ob
-                if ob is not None and obj in ob and callee_ob is not None and obj not in callee_ob:
+                callee_ob = pos.callee_object()
+                if pos.ob is not None and obj in pos.ob and callee_ob is not None and obj not in callee_ob:
                     callee = Path(callee_ob).name
                     out["by_object"][callee] += cost
-                    out["by_caller"][(fn, callee)] += cost
-                    out["by_callee"][(callee, cfn)] += cost
-                    out["calls"][(callee, cfn)] += pending_calls
-                pending_calls, cob = None, None
+                    out["by_caller"][(pos.fn, callee)] += cost
+                    out["by_callee"][(callee, pos.cfn)] += cost
+                    out["calls"][(callee, pos.cfn)] += pending_calls
+                pending_calls, pos.cob = None, None
                 continue
             key, _, value = line.partition("=")
-            if key == "ob":
-                ob = names.read("ob", value)
-            elif key == "fn":
-                fn, cob = names.read("fn", value), None
-            elif key == "cob":
-                cob = names.read("ob", value)
-            elif key == "cfn":
-                cfn = names.read("fn", value)
-            elif key in ("fl", "fi", "fe", "cfi", "cfl"):
-                names.read("fl", value)
-            elif key == "calls":
+            if not pos.read(key, value) and key == "calls":
                 pending_calls = int(value.split()[0])
     return out
 

@@ -64,6 +64,17 @@ def worker(mode: str, toggle: str, args: argparse.Namespace) -> None:
             lib.cg_stop()
 
 
+def build_toggle(workdir: Path) -> str:
+    """The small library whose two functions start and stop callgrind's counting, built in ``workdir``."""
+    (workdir / "toggle.c").write_text(TOGGLE_C)
+    toggle = str(workdir / "libtoggle.so")
+    build = subprocess.run(["cc", "-O1", "-shared", "-fPIC", "-o", toggle, str(workdir / "toggle.c")],
+                           capture_output=True, text=True)
+    if build.returncode != 0:
+        raise SystemExit(f"building the callgrind toggle failed (are valgrind's headers installed?):\n{build.stderr}")
+    return toggle
+
+
 def by_object(annotate_out: str) -> collections.Counter:
     """Self instructions per shared object from ``callgrind_annotate``'s function list."""
     out: collections.Counter = collections.Counter()
@@ -113,13 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                          "compiler")
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        (workdir / "toggle.c").write_text(TOGGLE_C)
-        toggle = str(workdir / "libtoggle.so")
-        build = subprocess.run(["cc", "-O1", "-shared", "-fPIC", "-o", toggle, str(workdir / "toggle.c")],
-                               capture_output=True, text=True)
-        if build.returncode != 0:
-            raise SystemExit(f"building the callgrind toggle failed (are valgrind's headers installed?):\n"
-                             f"{build.stderr}")
+        toggle = build_toggle(workdir)
         results = {}
         for mode in ("on", "off"):
             print(f"mode {mode}: counting under callgrind (about five minutes) ...", flush=True)
