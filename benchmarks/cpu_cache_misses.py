@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import re
 import shutil
 import subprocess
 import sys
@@ -54,6 +53,11 @@ def _costs(parts: list[str], n: int) -> list[int]:
     return values + [0] * (n - len(values))
 
 
+def _add(acc: list[int], costs: list[int]) -> None:
+    for i, c in enumerate(costs):
+        acc[i] += c
+
+
 def read_profile(path: Path, ours: str = OUR_OBJECT) -> dict:
     """Per-function self costs and, for functions of objects matching ``ours``, the inclusive costs of their calls
     into other objects. Returns ``events`` (names), ``self`` ({(object, function): [costs]}) and ``boundary``
@@ -73,14 +77,10 @@ def read_profile(path: Path, ours: str = OUR_OBJECT) -> dict:
                 if after_calls:  # the callee's inclusive cost, at the call site
                     callee_ob = pos.callee_object()
                     if pos.ob and ours in pos.ob and callee_ob and ours not in callee_ob:
-                        acc = boundary[(pos.fn, Path(callee_ob).name)]
-                        for i, c in enumerate(costs):
-                            acc[i] += c
+                        _add(boundary[(pos.fn, Path(callee_ob).name)], costs)
                     after_calls, pos.cob = False, None
                 else:
-                    acc = own[(Path(pos.ob or "?").name, pos.fn)]
-                    for i, c in enumerate(costs):
-                        acc[i] += c
+                    _add(own[(Path(pos.ob or "?").name, pos.fn)], costs)
                 continue
             if line.startswith("events:"):
                 events = line.split(":", 1)[1].split()
@@ -97,10 +97,6 @@ def figures(costs: list[int], events: list[str]) -> dict[str, int]:
     return {name: sum(costs[index[e]] for e in parts if e in index) for name, parts in FIGURES.items()}
 
 
-def _object(name: str) -> str:
-    return re.sub(r"_[0-9a-f]{12}\.so$", ".so", name)
-
-
 def summarize(on: dict, off: dict, per: float, ours: str = OUR_OBJECT, top: int = 15) -> dict:
     """What ``on`` adds over ``off``, divided by ``per``: by object, by function (top ``top`` by L2 misses) and inside
     our module's calls (its own code plus its calls into other objects)."""
@@ -114,9 +110,9 @@ def summarize(on: dict, off: dict, per: float, ours: str = OUR_OBJECT, top: int 
         keys = set(a) | set(b)
         return {k: {f: (a.get(k, {}).get(f, 0) - b.get(k, {}).get(f, 0)) / per for f in FIGURES} for k in keys}
 
-    by_object = diff(totals(on, lambda k: _object(k[0])), totals(off, lambda k: _object(k[0])))
-    by_function = diff(totals(on, lambda k: f"{k[1]} [{_object(k[0])}]"),
-                       totals(off, lambda k: f"{k[1]} [{_object(k[0])}]"))
+    name = cpu_glue_instructions.object_name
+    by_object = diff(totals(on, lambda k: name(k[0])), totals(off, lambda k: name(k[0])))
+    by_function = diff(totals(on, lambda k: f"{k[1]} [{name(k[0])}]"), totals(off, lambda k: f"{k[1]} [{name(k[0])}]"))
 
     def inside(profile: dict, skip: str | None = None) -> collections.Counter:
         out: collections.Counter = collections.Counter()

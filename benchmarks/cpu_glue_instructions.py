@@ -75,6 +75,12 @@ def build_toggle(workdir: Path) -> str:
     return toggle
 
 
+def object_name(name: str) -> str:
+    """A shared object's file name without our module's build hash (``mcore_offload_hooks_<12 hex>.so``), so that
+    two builds' counts add up under one name."""
+    return re.sub(r"_[0-9a-f]{12}\.so$", ".so", name)
+
+
 def by_object(annotate_out: str) -> collections.Counter:
     """Self instructions per shared object from ``callgrind_annotate``'s function list."""
     out: collections.Counter = collections.Counter()
@@ -84,7 +90,7 @@ def by_object(annotate_out: str) -> collections.Counter:
             continue
         obj = re.search(r"\[([^\]]*)\]$", m.group(2))
         name = Path(obj.group(1)).name if obj else ("libpython (inlined)" if "Python-" in m.group(2) else "?")
-        out[re.sub(r"_[0-9a-f]{12}\.so$", ".so", name)] += int(m.group(1).replace(",", ""))
+        out[object_name(name)] += int(m.group(1).replace(",", ""))
     return out
 
 
