@@ -4,7 +4,9 @@
 of every ``TransformerLayer.forward`` (D2H, on a side stream that first waits for the compute stream, as the
 runtime's copy-out does) and BWD MiB from a host buffer to a scratch device buffer when the gradient of the layer's
 output arrives (H2D, on a second side stream), in every other step. Each chunk's last layer is left out, as the
-runtime leaves it on the device. Nothing the model computes reads these buffers, so losses are unchanged.
+runtime leaves it on the device where a chunk's backward comes before any flush (one layer and one chunk); under
+pipelining most chunks' last layers are offloaded (D-dense's rank 0: every layer), and ``--dma-load-every-layer``
+copies there too. Nothing the model computes reads these buffers, so losses are unchanged.
 
 Set FWD and BWD to an offload set's bytes per layer and microbatch (A ``core_attn``: 48 MiB) and the paired
 overhead is the cost of the link traffic itself: the host work the copies slow down (a PCIe transfer slows the
@@ -29,8 +31,8 @@ _current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 class DmaLoad(LayerHooks):
-    """Copies at every ``TransformerLayer`` but each chunk's last (:meth:`install` with ``skip_last``); ``active``
-    switches them (pretrain_gpt.py sets it per step)."""
+    """Copies at every ``TransformerLayer`` but (by default) each chunk's last (:meth:`install`'s ``skip_last``);
+    ``active`` switches them (pretrain_gpt.py sets it per step)."""
 
     def __init__(self, fwd_mib: float, bwd_mib: float, device: torch.device) -> None:
         super().__init__()
@@ -55,7 +57,7 @@ class DmaLoad(LayerHooks):
         return torch.empty(n, dtype=torch.uint8, pin_memory=True)
 
     def install(self, chunks: list[torch.nn.Module], skip_last: bool = True) -> int:
-        """Hook every transformer layer of ``chunks`` except each chunk's last (the runtime keeps it on the device)."""
+        """Hook every transformer layer of ``chunks``, each chunk's last too unless ``skip_last``."""
         return super().install(chunks, skip_last)
 
     def _copy(self, nbytes: int, stream: torch.cuda.Stream, dst: int, src: int, kind: int) -> None:

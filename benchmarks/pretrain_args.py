@@ -125,6 +125,10 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
       help="no offloading; every other step, copy FWD MiB device-to-host at each transformer layer's forward and "
            "BWD MiB host-to-device at its backward, on side streams, into buffers nothing reads "
            "(benchmarks/dma_load.py): the paired overhead is what the link traffic alone costs; JSON 'dma_load'")
+    a("--dma-load-every-layer", action="store_true",
+      help="with --dma-load-mib: copy at each chunk's last layer too (by default it is left out, as the runtime "
+           "keeps a chunk's last layer on the device where the chunk's backward comes before any flush; under "
+           "pipelining that is rare: on D-dense's rank 0 ours moves every layer of every chunk)")
     a("--time-syncs", action="store_true",
       help="host time blocked in Tensor.cpu/.item/.tolist of CUDA tensors and in Event/Stream.synchronize per step "
            "(benchmarks/sync_wait.py); JSON 'sync_wait'")
@@ -187,6 +191,8 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
                                            or args.dma_load_mib):
         p.error("--alternate-period sets how steps alternate: add --alternate-offload (or --alternate-runtime, "
                 "--host-delay-us, --dma-load-mib)")
+    if args.dma_load_every_layer and not args.dma_load_mib:
+        p.error("--dma-load-every-layer changes --dma-load-mib's layers: give --dma-load-mib FWD BWD too")
     if args.dma_load_mib and args.fine_grained_activation_offloading:
         p.error("--dma-load-mib measures the copies without the offload runtime: drop "
                 "--fine-grained-activation-offloading")

@@ -272,7 +272,7 @@ def main(argv=None) -> int:
         from dma_load import DmaLoad
 
         side_load = DmaLoad(*args.dma_load_mib, device)
-        side_load.install(chunks)
+        side_load.install(chunks, skip_last=not args.dma_load_every_layer)
     syncs = None
     if args.time_syncs:
         from sync_wait import SyncWait

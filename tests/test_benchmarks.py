@@ -315,6 +315,31 @@ def test_dma_load_copies_at_every_layer_but_each_chunks_last_in_active_steps_onl
     assert load.calls == {"fwd": 2, "bwd": 2}
 
 
+def test_dma_load_every_layer_copies_at_each_chunks_last_too():
+    """``install(skip_last=False)`` (``--dma-load-every-layer``): a copy each way at all three layers."""
+    from dma_load import DmaLoad
+
+    class TransformerLayer(torch.nn.Linear):  # the hooks find layers by this class name
+        pass
+
+    chunk = torch.nn.Sequential(*(TransformerLayer(4, 4) for _ in range(3)))
+    load = object.__new__(DmaLoad)  # no CUDA here: only the hook logic
+    super(DmaLoad, load).__init__()
+    load.fwd_bytes = load.bwd_bytes = load.fwd = load.bwd = 10
+    copies = []
+    load._copy = lambda nbytes, stream, dst, src, kind: copies.append(kind)
+    load.d2h = load.h2d = None
+    load.src = load.dst = torch.zeros(1)
+    load.hosts = [torch.zeros(1), torch.zeros(1)]
+    assert load.install([chunk], skip_last=False) == 3
+    load.active = True
+    chunk(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    from mcore_offload.runtime.cudart import DEVICE_TO_HOST, HOST_TO_DEVICE
+
+    assert sorted(copies) == sorted([DEVICE_TO_HOST] * 3 + [HOST_TO_DEVICE] * 3)
+    assert load.calls == {"fwd": 3, "bwd": 3}
+
+
 def test_cpu_node_hooks_times_both_registrations(tmp_path):
     from mcore_offload.runtime import native
 

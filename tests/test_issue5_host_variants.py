@@ -50,3 +50,12 @@ def test_variant_suffixes_and_prefixes_set_their_switches(tmp_path):
     # every suffix leaves the same offload set
     assert all("--offload-modules qkv_linear core_attn attn_proj " in args for _, args in runs)
     assert "--alternate-offload" in plain_args
+
+
+def test_dmaload_all_copies_at_every_layer_and_dmaload_leaves_the_last_out(tmp_path):
+    runs = _launches(tmp_path, "dmaload dmaload_all")
+    assert len(runs) == 2
+    (_, some), (_, every) = runs
+    for args in (some, every):
+        assert "--dma-load-mib 48 48 " in args and "--fine-grained-activation-offloading" not in args
+    assert "--dma-load-every-layer" in every and "--dma-load-every-layer" not in some

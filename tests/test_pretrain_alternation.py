@@ -161,6 +161,12 @@ def test_pretrain_gpt_host_delay_spins_every_layer_of_every_other_step_and_keeps
     assert proc.returncode == 2 and "use one of them per run" in proc.stderr
 
 
+def test_pretrain_gpt_dma_load_every_layer_needs_dma_load():
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pretrain_gpt.py"), "--dma-load-every-layer"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "give --dma-load-mib FWD BWD too" in proc.stderr
+
+
 @pytest.mark.parametrize("extra, says", [
     (["--host-delay-us", "1", "1"], "use one of them per run"),
     (["--fine-grained-activation-offloading"], "drop --fine-grained-activation-offloading"),

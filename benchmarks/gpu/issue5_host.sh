@@ -38,7 +38,9 @@
 #    D-moe: the pipeline-parallel configurations, one rank per GPU (the summary prints rank 0's row; the JSON
 #    has every rank's). "dmaload": no offloading; every other step copies DMA_MIB (default 48, A core_attn's bytes
 #    per layer and microbatch) out at each layer's forward and in at its backward (benchmarks/dma_load.py): what
-#    the link traffic alone costs. NAME_wc: host buffers in write-combined memory (MCORE_OFFLOAD_HOST_MEMORY).
+#    the link traffic alone costs; each chunk's last layer left out. "dmaload_all": the same at every layer (ours
+#    offloads every layer of most chunks under pipelining: D-dense's rank 0 moves 48 MiB at all 64
+#    layer-microbatches of a step with core_attn). NAME_wc: host buffers in write-combined memory (MCORE_OFFLOAD_HOST_MEMORY).
 #    blkB_NAME: NAME alternating blocks of B steps (--alternate-block B: B plain, B offloaded, ...; each offloaded
 #    block's median over its plain neighbours', the first step of every block left out; blkB_NAME@native too).
 #    NAME_nolook: MCORE_OFFLOAD_SECOND_LOOK=0 (runtime/second_look.py off). NAME_nosplit:
@@ -136,6 +138,7 @@ for rep in $(seq 1 "${REPS:-2}"); do
         experts_breakdown) flags="--fine-grained-activation-offloading --offload-modules expert_fc1 moe_act --runtime-breakdown" ;;
         delayfwd) flags="--host-delay-us ${DELAY_US:-500} 0 --alternate-period ${ALT_PERIOD:-2}" ;;
         dmaload) flags="--dma-load-mib ${DMA_MIB:-48} ${DMA_MIB:-48} --alternate-period ${ALT_PERIOD:-2}" ;;
+        dmaload_all) flags="--dma-load-mib ${DMA_MIB:-48} ${DMA_MIB:-48} --dma-load-every-layer --alternate-period ${ALT_PERIOD:-2}" ;;
         delaybwd) flags="--host-delay-us 0 ${DELAY_US:-500} --alternate-period ${ALT_PERIOD:-2}" ;;
         hooks_breakdown) flags="$OFF --min-offloaded-tensor-size 1000000000000 --runtime-breakdown" ;; esac
       name=$name0
