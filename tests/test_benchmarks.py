@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -287,24 +288,31 @@ def test_cpu_grouped_layer_with_the_stub_cuda_transport_runs_the_raw_transport(t
     assert result["transport"] == "RawCudaTransport"
 
 
-def test_dma_load_copies_at_every_layer_but_each_chunks_last_in_active_steps_only():
-    """DmaLoad's hooks (CPU: its copy recorded instead of made): one copy out per layer's forward and one in per
-    layer's backward, each chunk's last layer left out, nothing while inactive."""
+def _stub_dma_load(fwd: int, bwd: int) -> tuple[torch.nn.Module, Any, list[tuple[int, int]]]:
+    """A chunk of three ``TransformerLayer``s and a DmaLoad with only its hook logic (no CUDA here): its copies are
+    recorded as ``(nbytes, kind)`` instead of made."""
     from dma_load import DmaLoad
 
     class TransformerLayer(torch.nn.Linear):  # the hooks find layers by this class name
         pass
 
     chunk = torch.nn.Sequential(*(TransformerLayer(4, 4) for _ in range(3)))
-    load = object.__new__(DmaLoad)  # no CUDA here: only the hook logic
+    load = object.__new__(DmaLoad)
     super(DmaLoad, load).__init__()
-    load.fwd_bytes, load.bwd_bytes = 10, 20
-    load.fwd, load.bwd = 10, 20
-    copies = []
+    load.fwd_bytes, load.bwd_bytes = fwd, bwd
+    load.fwd, load.bwd = fwd, bwd
+    copies: list[tuple[int, int]] = []
     load._copy = lambda nbytes, stream, dst, src, kind: copies.append((nbytes, kind))
     load.d2h = load.h2d = None
     load.src = load.dst = torch.zeros(1)
     load.hosts = [torch.zeros(1), torch.zeros(1)]
+    return chunk, load, copies
+
+
+def test_dma_load_copies_at_every_layer_but_each_chunks_last_in_active_steps_only():
+    """DmaLoad's hooks (CPU: its copy recorded instead of made): one copy out per layer's forward and one in per
+    layer's backward, each chunk's last layer left out, nothing while inactive."""
+    chunk, load, copies = _stub_dma_load(10, 20)
     assert load.install([chunk]) == 2
     for active in (False, True):
         load.active = active
@@ -317,26 +325,13 @@ def test_dma_load_copies_at_every_layer_but_each_chunks_last_in_active_steps_onl
 
 def test_dma_load_every_layer_copies_at_each_chunks_last_too():
     """``install(skip_last=False)`` (``--dma-load-every-layer``): a copy each way at all three layers."""
-    from dma_load import DmaLoad
-
-    class TransformerLayer(torch.nn.Linear):  # the hooks find layers by this class name
-        pass
-
-    chunk = torch.nn.Sequential(*(TransformerLayer(4, 4) for _ in range(3)))
-    load = object.__new__(DmaLoad)  # no CUDA here: only the hook logic
-    super(DmaLoad, load).__init__()
-    load.fwd_bytes = load.bwd_bytes = load.fwd = load.bwd = 10
-    copies = []
-    load._copy = lambda nbytes, stream, dst, src, kind: copies.append(kind)
-    load.d2h = load.h2d = None
-    load.src = load.dst = torch.zeros(1)
-    load.hosts = [torch.zeros(1), torch.zeros(1)]
+    chunk, load, copies = _stub_dma_load(10, 20)
     assert load.install([chunk], skip_last=False) == 3
     load.active = True
     chunk(torch.randn(2, 4, requires_grad=True)).sum().backward()
     from mcore_offload.runtime.cudart import DEVICE_TO_HOST, HOST_TO_DEVICE
 
-    assert sorted(copies) == sorted([DEVICE_TO_HOST] * 3 + [HOST_TO_DEVICE] * 3)
+    assert copies == [(10, DEVICE_TO_HOST)] * 3 + [(20, HOST_TO_DEVICE)] * 3
     assert load.calls == {"fwd": 3, "bwd": 3}
 
 

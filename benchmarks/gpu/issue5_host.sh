@@ -40,7 +40,8 @@
 #    per layer and microbatch) out at each layer's forward and in at its backward (benchmarks/dma_load.py): what
 #    the link traffic alone costs; each chunk's last layer left out. "dmaload_all": the same at every layer (ours
 #    offloads every layer of most chunks under pipelining: D-dense's rank 0 moves 48 MiB at all 64
-#    layer-microbatches of a step with core_attn). NAME_wc: host buffers in write-combined memory (MCORE_OFFLOAD_HOST_MEMORY).
+#    layer-microbatches of a step with core_attn). NAME_wc: host buffers in write-combined memory
+#    (MCORE_OFFLOAD_HOST_MEMORY).
 #    blkB_NAME: NAME alternating blocks of B steps (--alternate-block B: B plain, B offloaded, ...; each offloaded
 #    block's median over its plain neighbours', the first step of every block left out; blkB_NAME@native too).
 #    NAME_nolook: MCORE_OFFLOAD_SECOND_LOOK=0 (runtime/second_look.py off). NAME_nosplit:
