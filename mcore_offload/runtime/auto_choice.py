@@ -26,8 +26,11 @@ JOINED_UNIT_COST = 0.4
 #: (exposure 1), beyond the runtime's own host time: the host thread runs slower while reloads stream in, whoever
 #: issues them. The link traffic alone (no runtime; the load's own copy calls included) measured 0.8-1.5 % per GiB
 #: on the H100 host (sessions 16-17: A core_attn, A attention set, C experts, C all five); on C the runtime's host
-#: time alone explained 40 % of all five's overhead and the plan overshot the 2 % (session 16). The runtime's host
-#: time already holds its own copy calls: counting them here too errs toward offloading less.
+#: time alone explained 40 % of all five's overhead and the plan overshot the 2 % (session 16). On the 2x H200 host
+#: 1.0-1.7 % per GiB (sessions 50, 53, 54: D-dense 2.25 and 3.0 GiB, A 2.81 GiB; each interval about +-1 % of the
+#: step), the load's own copy calls included (on D-dense about 0.3 % per GiB: 5.5 ms of host time a step for 3 GiB);
+#: without them about 0.7-1.3 %. The runtime's host time already holds its own copy calls: counting them here too errs
+#: toward offloading less.
 TRAFFIC_SHARE_PER_GIB = 0.01
 #: Units whose points chain into one group when both are chosen in a layer (runtime/points.py, CHAIN_NEXT).
 FAMILY: dict[tuple[str, ...], str] = {("qkv_linear",): "attention", ("core_attn", "attn_proj"): "attention",
