@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: env test demo lint clean
+.PHONY: env test test-releases demo lint clean
 
 env: $(VENV)/.ready
 
@@ -24,6 +24,11 @@ lint: env
 test: env lint
 	$(VENV)/bin/mcore-offload build-native || true
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# The megatron-facing tests against the rest of pyproject's range, megatron-core 0.15.0-0.15.2, each release's wheel
+# patched in a folder of its own (downloads the wheels; about 4 minutes). CI runs it after `test`.
+test-releases: env
+	bash .ci/other-releases.sh
 
 demo: env
 	$(VENV)/bin/mcore-offload plan --preset llama3-8b --pipeline-model-parallel-size 2 --seq-length 8192 \

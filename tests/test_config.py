@@ -156,7 +156,7 @@ def test_unpatched_megatron_fails_loudly_with_the_fixing_command(megatron_copy):
         except mcore_offload.NotPatchedError as e:
             print("ERROR:", e)
     """)
-    assert "ERROR: megatron-core 0.15.3" in result.stdout, result.stderr
+    assert f"ERROR: megatron-core {megatron_copy.version}" in result.stdout, result.stderr
     assert "run `mcore-offload patch apply`" in result.stdout
 
 

@@ -80,11 +80,32 @@ def test_unsupported_version_is_refused_with_supported_list(megatron_copy, capsy
     info = megatron_copy.core / "package_info.py"
     info.write_text(re.sub(r"^MINOR = \d+", "MINOR = 14", info.read_text(), flags=re.M))
     install = tooling.find_megatron(megatron_copy.root)
-    assert install.version == "0.14.3"
-    with pytest.raises(PatchError, match=r"megatron-core 0\.14\.3 is not supported.*0\.15\.3"):
+    assert install.version == "0.14." + megatron_copy.version.split(".")[2]
+    with pytest.raises(PatchError, match=rf"megatron-core {re.escape(install.version)} is not supported.*0\.15\.3"):
         tooling.check_patches(install)
     assert main(["patch", "status", "--megatron-path", str(megatron_copy.root)]) == 2
     assert "not supported" in capsys.readouterr().err
+
+
+def test_earlier_015_releases_take_0153s_patches_and_say_so(megatron_copy, capsys):
+    # The copy is 0.15.3 relabelled: the files our diffs touch are identical in 0.15.0-0.15.2 (SAME_PATCHES_AS's
+    # comment); .ci/other-releases.sh runs the same path on the real wheels.
+    assert tooling.supported_versions() == ["0.15.0", "0.15.1", "0.15.2", "0.15.3"]
+    info = megatron_copy.core / "package_info.py"
+    info.write_text(re.sub(r"^PATCH = \d+", "PATCH = 1", info.read_text(), flags=re.M))
+    install = tooling.find_megatron(megatron_copy.root)
+    assert install.version == "0.15.1" and tooling.patch_source("0.15.1") == "0.15.3"
+    before = hashes(install.root, install.version)
+    assert main(["patch", "apply", "--megatron-path", str(install.root)]) == 0
+    assert "megatron-core 0.15.1" in capsys.readouterr().out
+    assert set(tooling.check_patches(install).values()) == {PatchState.APPLIED}
+    assert main(["patch", "status", "--megatron-path", str(install.root)]) == 0
+    assert "taking 0.15.3's patches" in capsys.readouterr().out
+    assert tooling.revert_patches(install)
+    assert hashes(install.root, install.version) == before
+    assert tooling.patch_source("0.15.3") == "0.15.3" and tooling.patch_source("0.15.4") == "0.15.4"
+    with pytest.raises(PatchError, match=r"megatron-core 0\.15\.4 is not supported.*0\.15\.0, 0\.15\.1"):
+        tooling.patch_files("0.15.4")
 
 
 def test_path_forms_and_missing_megatron(megatron_copy, tmp_path):
@@ -97,7 +118,7 @@ def test_path_forms_and_missing_megatron(megatron_copy, tmp_path):
 def test_status_lists_every_patch(megatron_copy, capsys):
     assert main(["patch", "status", "--megatron-path", str(megatron_copy.root)]) == 0
     out = capsys.readouterr().out
-    assert "megatron-core 0.15.3" in out
+    assert f"megatron-core {megatron_copy.version}" in out
     for p in tooling.patch_files("0.15.3"):
         assert f"{p.name}: applies cleanly" in out
 

@@ -7,6 +7,7 @@ from mcore_offload.patching.tooling import (
     apply_patches,
     check_patches,
     find_megatron,
+    patch_source,
     revert_patches,
     supported_versions,
 )
@@ -18,6 +19,7 @@ __all__ = [
     "apply_patches",
     "check_patches",
     "find_megatron",
+    "patch_source",
     "revert_patches",
     "supported_versions",
 ]

@@ -21,6 +21,13 @@ logger = logging.getLogger(__name__)
 
 PATCH_ROOT = Path(__file__).resolve().parent.parent / "patch_files"
 
+#: Releases that take another release's diffs because every file those diffs touch is byte-identical in both.
+#: 0.15.0, 0.15.1 and 0.15.2 differ from 0.15.3 only in megatron_fsdp's sources, quantization/quant_config.py (a YAML
+#: loader), package_info.py and the datasets' compiled helper (the released cp311 wheels compared file by file,
+#: session 55): none is a file we patch or a module the runtime imports. ``git apply`` still checks every hunk's
+#: context, so a release that drifted would show as a conflict, never as a half-applied patch.
+SAME_PATCHES_AS: dict[str, str] = {"0.15.0": "0.15.3", "0.15.1": "0.15.3", "0.15.2": "0.15.3"}
+
 
 class PatchError(RuntimeError):
     """A patch operation was refused; the message says what to do."""
@@ -43,14 +50,21 @@ class MegatronInstall:
 
 
 def supported_versions() -> list[str]:
-    """The megatron-core versions we ship patches for."""
+    """The megatron-core versions we ship patches for, those that take another release's included."""
     if not PATCH_ROOT.is_dir():
         return []
-    return sorted(
+    shipped = {
         p.name.removeprefix("megatron-core-")
         for p in PATCH_ROOT.iterdir()
         if p.is_dir() and p.name.startswith("megatron-core-")
-    )
+    }
+    shipped |= {version for version, source in SAME_PATCHES_AS.items() if source in shipped}
+    return sorted(shipped, key=lambda v: tuple(int(part) for part in v.split(".")))
+
+
+def patch_source(version: str) -> str:
+    """The release whose diffs ``version`` takes (itself unless listed in ``SAME_PATCHES_AS``)."""
+    return SAME_PATCHES_AS.get(version, version)
 
 
 def _read_version(root: Path) -> str:
@@ -87,12 +101,16 @@ def find_megatron(path: str | os.PathLike | None = None) -> MegatronInstall:
 
 def patch_files(version: str) -> list[Path]:
     """Our diffs for ``version``, in application order; raise if the version is unsupported."""
-    directory = PATCH_ROOT / f"megatron-core-{version}"
+    directory = _patch_dir(version)
     if not directory.is_dir():
         supported = ", ".join(supported_versions()) or "none"
         raise PatchError(f"megatron-core {version} is not supported (patches exist for: {supported}); "
                          "install a supported version, e.g. pip install 'megatron-core==0.15.3'.")
     return sorted(directory.glob("*.patch"))
+
+
+def _patch_dir(version: str) -> Path:
+    return PATCH_ROOT / f"megatron-core-{patch_source(version)}"
 
 
 def _git() -> str:
@@ -143,7 +161,7 @@ def apply_patches(install: MegatronInstall) -> list[str]:
     """Apply every patch not yet applied, all or nothing; return the names newly applied."""
     states = check_patches(install)
     _refuse_conflicts(install, states, "apply")
-    todo = [PATCH_ROOT / f"megatron-core-{install.version}" / n
+    todo = [_patch_dir(install.version) / n
             for n, s in states.items() if s is PatchState.NOT_APPLIED]
     if not todo:
         return []
@@ -158,7 +176,7 @@ def revert_patches(install: MegatronInstall) -> list[str]:
     """Reverse every applied patch, all or nothing; return the names reverted."""
     states = check_patches(install)
     _refuse_conflicts(install, states, "revert")
-    todo = [PATCH_ROOT / f"megatron-core-{install.version}" / n
+    todo = [_patch_dir(install.version) / n
             for n, s in reversed(list(states.items())) if s is PatchState.APPLIED]
     if not todo:
         return []
