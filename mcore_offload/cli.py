@@ -16,8 +16,9 @@ from mcore_offload.plan.cli import add_plan_parser
 def _patch(args: argparse.Namespace) -> int:
     install = tooling.find_megatron(args.megatron_path)
     where = f"megatron-core {install.version} at {install.core}"
-    if tooling.patch_source(install.version) != install.version:
-        where += f" (taking {tooling.patch_source(install.version)}'s patches: the files they touch are identical)"
+    source = tooling.patch_source(install.version)
+    if source != install.version:
+        where += f" (taking {source}'s patches: the files they touch are identical)"
     if args.action == "apply":
         done = tooling.apply_patches(install)
         print(f"{where}: applied {', '.join(done)}" if done else f"{where}: already patched, nothing to do")
