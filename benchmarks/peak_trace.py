@@ -10,6 +10,10 @@ what each kept on the device.
 The replay locates the peak; it does not measure it. On 2x H200 (session 15) its peak differed from the
 allocator's maximum (``max_memory_allocated``, also in the JSON) by -128 to +768 MiB, most with upstream's native
 offloading, whose forced releases free storages through ``resize_(0)`` after ``record_stream``.
+
+``--peak-trace-census`` records from the launch instead, and also itemizes what is allocated at the peak step's start
+once its ``zero_grad`` has run (:func:`census`: weights, persistent buffers and workspaces, by call path): the part of
+a peak the planner (``mcore_offload/plan``) counts as static, against what it does count.
 """
 
 from __future__ import annotations
@@ -100,23 +104,59 @@ def analyse(events: list[dict[str, Any]], base: int) -> dict[str, Any]:
     }
 
 
-class PeakTrace:
-    """Records the allocator's history between :meth:`start` and :meth:`stop` (one step)."""
+def census(segments: list[dict[str, Any]], device: int, top: int = 200) -> dict[str, Any]:
+    """The blocks allocated on ``device`` in an allocator snapshot's ``segments``, grouped by (size, call path)
+    as :func:`live_by_site` does; blocks allocated before recording began have no frames (call path "")."""
+    blocks = [{"size": b["size"], "frames": b.get("frames", [])}
+              for seg in segments if seg.get("device") == device
+              for b in seg.get("blocks", ()) if b.get("state") == "active_allocated"]
+    return {"allocated_bytes": sum(b["size"] for b in blocks), "blocks": len(blocks),
+            "by_site": live_by_site(blocks, top)}
 
-    def __init__(self, device: torch.device, max_entries: int = 400_000) -> None:
+
+class PeakTrace:
+    """Records the allocator's history between :meth:`start` and :meth:`stop` (one step); with ``from_launch``
+    (:meth:`record_from_launch` called before the model is built) it keeps recording from then on, replays only the
+    events after :meth:`start`, and :meth:`take_census` itemizes what is allocated when it is called."""
+
+    def __init__(self, device: torch.device, max_entries: int = 400_000, from_launch: bool = False) -> None:
         self.device, self.max_entries, self.base = device, max_entries, 0
+        self.from_launch, self.offset = from_launch, 0
+        self.census: dict[str, Any] | None = None
+
+    @property
+    def index(self) -> int:
+        return self.device.index if self.device.index is not None else torch.cuda.current_device()
+
+    @staticmethod
+    def record_from_launch(max_entries: int = 400_000) -> None:
+        torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="python")
+
+    def _trace(self, snapshot: dict[str, Any]) -> list[dict[str, Any]]:
+        traces = snapshot.get("device_traces", [])
+        return traces[self.index] if self.index < len(traces) else []
 
     def start(self) -> None:
         torch.cuda.synchronize(self.device)
         self.base = torch.cuda.memory_allocated(self.device)
-        torch.cuda.memory._record_memory_history(max_entries=self.max_entries, stacks="python")
+        if self.from_launch:  # already recording: the step's events are those after this point
+            self.offset = len(self._trace(torch.cuda.memory._snapshot()))
+        else:
+            torch.cuda.memory._record_memory_history(max_entries=self.max_entries, stacks="python")
+
+    def take_census(self) -> None:
+        torch.cuda.synchronize(self.device)
+        self.census = census(torch.cuda.memory._snapshot().get("segments", []), self.index)
 
     def stop(self) -> dict[str, Any]:
         torch.cuda.synchronize(self.device)
-        snapshot = torch.cuda.memory._snapshot()
+        trace = self._trace(torch.cuda.memory._snapshot())
         torch.cuda.memory._record_memory_history(enabled=None)
-        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        traces = snapshot.get("device_traces", [])
-        result = analyse(traces[index] if index < len(traces) else [], self.base)
+        # a full ring buffer has dropped its oldest events, the offset no longer points at the step's start
+        wrapped = self.from_launch and len(trace) >= self.max_entries
+        result = analyse([] if wrapped else trace[self.offset:], self.base)
         result["max_memory_allocated"] = torch.cuda.max_memory_allocated(self.device)
+        result["history_wrapped"] = wrapped
+        if self.census is not None:
+            result["census"] = self.census
         return result

@@ -72,6 +72,9 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     a("--peak-trace", action="store_true",
       help="record the allocator's history in the step whose peak is reported: where the peak was reached and the "
            "reloaded bytes live then (benchmarks/peak_trace.py); JSON 'peak_trace'")
+    a("--peak-trace-census", action="store_true",
+      help="--peak-trace recording from the launch, and what is allocated at the peak step's start after its "
+           "zero_grad, by call path (weights, persistent buffers, workspaces); JSON 'peak_trace' 'census'")
     a("--profile-steps", type=int, nargs=2, default=None, metavar=("FIRST", "LAST"),
       help="torch.profiler trace of these steps (inclusive), summarised by trace_analysis.py; each step's schedule "
            "is the range 'bench step N on|off' (trace_step_ops.py compares offloaded and plain steps)")

@@ -255,6 +255,10 @@ def main(argv=None) -> int:
         from runtime_switch import RuntimeSwitch
 
         switch = RuntimeSwitch(args.alternate_runtime)
+    if args.peak_trace_census and device.type == "cuda":  # before the model: its weights get call paths
+        from peak_trace import PeakTrace
+
+        PeakTrace.record_from_launch()
     config = build_config(args)
     chunks = build_model(args, config)
     native_pause = None  # native's switches on megatron-core 0.16, off in plain steps (alternation or window)
@@ -345,10 +349,10 @@ def main(argv=None) -> int:
                 from mcore_offload.summary import get_summary
 
                 get_summary().track_peak(peak_reader(device))
-            if args.peak_trace:
+            if args.peak_trace or args.peak_trace_census:
                 from peak_trace import PeakTrace
 
-                tracer = PeakTrace(device)
+                tracer = PeakTrace(device, from_launch=args.peak_trace_census)
                 tracer.start()
         if breakdown is not None and step == args.warmup_steps:
             breakdown.recording = True
@@ -356,6 +360,8 @@ def main(argv=None) -> int:
             probes += take_probes(device, 0, 0.0, True)
         data = batches(args, step, device)
         opt.zero_grad(set_to_none=True)
+        if tracer is not None and args.peak_trace_census and step == peak_step:
+            tracer.take_census()
         if cuda:
             torch.cuda.synchronize()
             if alternate:  # every step's own peak (the step-1 peak above is still read as usual)

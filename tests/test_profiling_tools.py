@@ -113,3 +113,21 @@ def test_peak_trace_finds_the_peak_and_the_reloaded_bytes_live_then():
                                  {"size": 50, "count": 1, "bytes": 50, "where": "mlp.py:forward"},
                                  {"size": 30, "count": 1, "bytes": 30, "where": "mlp.py:forward"}]
     assert analyse([], base=7)["peak_bytes"] == 7
+
+
+def test_peak_trace_census_groups_the_allocated_blocks_of_one_device():
+    """census(): only active blocks of the asked device count; blocks from before recording have no call path."""
+    from peak_trace import census
+
+    weights = [{"filename": "/y/site-packages/megatron/core/tensor_parallel/layers.py", "line": 1, "name": "__init__"}]
+    segments = [
+        {"device": 0, "blocks": [{"size": 64, "state": "active_allocated", "frames": weights},
+                                 {"size": 64, "state": "active_allocated", "frames": weights},
+                                 {"size": 32, "state": "inactive"},  # cached, free: not allocated
+                                 {"size": 16, "state": "active_allocated"}]},  # before recording began
+        {"device": 1, "blocks": [{"size": 999, "state": "active_allocated", "frames": weights}]},
+    ]
+    c = census(segments, device=0)
+    assert c["allocated_bytes"] == 144 and c["blocks"] == 3
+    assert c["by_site"] == [{"size": 64, "count": 2, "bytes": 128, "where": "layers.py:__init__"},
+                            {"size": 16, "count": 1, "bytes": 16, "where": ""}]
