@@ -122,6 +122,9 @@ def plan_argv(args: dict) -> list[str]:
         argv.append("--sequence-parallel")
     if args.get("bf16"):
         argv.append("--bf16")
+    if args.get("deterministic"):  # pretrain_gpt.py's --deterministic: torch's deterministic algorithms
+        argv.append("--deterministic-mode")
+    argv.append("--no-rope-fusion")  # pretrain_gpt.py keeps TransformerConfig's apply_rope_fusion=False
     # pretrain_gpt.py: gated_linear_unit (SwiGLU) with the TE spec, share_embeddings_and_output_weights=False
     if args["transformer_impl"] == "transformer_engine":
         argv.append("--swiglu")

@@ -27,7 +27,14 @@ MoE: norm output       T*h/d               none (the router's and dispatcher's i
 MoE: permuted tokens   R*h                 ``expert_fc1``,  R = T*topk/d*etp (balanced routing)
 MoE: fc1 output        R*g*f_moe/etp       ``moe_act`` (with the permuted probabilities, R fp32)
 MoE: act output        R*f_moe/etp         none (the fc2 input)
+MoE: expert output     T*topk/d*h          none; only with --deterministic-mode and without
+                                           --moe-permute-fusion (unpermute's index_add_ keeps its source)
+RoPE cos and sin       4*s*head_dim        none; only with --no-rope-fusion (q's and k's, broadcast
+                                           over the micro-batch)
 =====================  ==================  ============================================================
+
+The last two were found by the allocator census of benchmarks/results/planner-census-session56 (config C: the
+expert output, 64 MiB a layer, is the 512 MiB between the deterministic and the plain run's peak).
 
 This is Korthikanti et al. 2022 (sbh(34 + 5as/h)) adapted: flash attention removes the s^2 terms, no
 dropout masks, fused norms, a SwiGLU MLP keeps its fc1 output (2f) and activation output (f). The local spec
@@ -180,6 +187,8 @@ def _attention(b: _Builder, model: ModelSpec, layout: ParallelLayout, training: 
             core_extra = (b.keep("attention probabilities",
                                  tokens * model.num_attention_heads * training.seq_length / t),)
     out = b.keep("attention output", tokens * model.q_dim / t)
+    if not training.rope_fusion:  # megatron-core's unfused RoPE multiplies q and k by fresh cos and sin tensors
+        b.keep("RoPE cos and sin (unfused)", 4 * training.seq_length * model.head_dim)
 
     measured = te and t == 1  # TE spec, TP=1: benchmarks/results/issue4-* (tests/test_plan_validation.py)
     held = "; held elsewhere in a chunk's first layer"
@@ -261,6 +270,8 @@ def _moe_mlp(b: _Builder, model: ModelSpec, layout: ParallelLayout, training: Tr
         b.keep("expert activation output", rows * model.moe_ffn / etp)
         b.point("moe_act", (fc1, probs), "expert fc1 output (the SwiGLU input)" if gate == 2
                 else "expert fc1 output (the activation input)", measured)
+    if training.deterministic and not training.moe_permute_fusion:
+        b.keep("expert output (unpermute's index_add_ source)", tokens * model.moe_router_topk // d * model.hidden_size)
     if model.moe_shared_expert_intermediate_size and "shared_experts" not in recomputed:
         shared = model.moe_shared_expert_intermediate_size
         b.keep("shared expert fc1 output", tokens * gate * shared / t)

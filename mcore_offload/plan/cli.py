@@ -71,6 +71,11 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--offload-modules", nargs="+", default=[], metavar="POINT",
                    help=f"the set to evaluate next to the planner's own: {', '.join(OFFLOAD_MODULES)}")
     g.add_argument("--min-offloaded-tensor-size", type=int, default=DEFAULT_MIN_OFFLOADED_TENSOR_SIZE)
+    g.add_argument("--deterministic-mode", action="store_true",
+                   help="torch deterministic algorithms: MoE layers keep their expert output for unpermute's backward")
+    g.add_argument("--moe-permute-fusion", action="store_true", help="TE's fused MoE (un)permutation")
+    g.add_argument("--no-rope-fusion", dest="rope_fusion", action="store_false",
+                   help="unfused RoPE: every layer keeps its cos and sin")
 
 
 def _output_flags(p: argparse.ArgumentParser) -> None:
@@ -170,7 +175,9 @@ def config_from_args(args: argparse.Namespace) -> tuple[PlanConfig, list[str]]:
                             recompute_granularity=args.recompute_granularity,
                             recompute_modules=tuple(args.recompute_modules),
                             offload_modules=tuple(args.offload_modules),
-                            min_offloaded_tensor_size=args.min_offloaded_tensor_size)
+                            min_offloaded_tensor_size=args.min_offloaded_tensor_size,
+                            deterministic=args.deterministic_mode, moe_permute_fusion=args.moe_permute_fusion,
+                            rope_fusion=args.rope_fusion)
     hw = get_hardware(args.gpu, args.link_gbps, args.link_both_gbps, args.tflops)
     if not 0 <= args.max_exposed_percent <= 100:
         raise PlanError(f"--max-exposed-percent must lie between 0 and 100, got {args.max_exposed_percent:g}; "

@@ -134,6 +134,11 @@ class TrainingSpec:
     recompute_modules: tuple[str, ...] = ()
     offload_modules: tuple[str, ...] = ()
     min_offloaded_tensor_size: int = DEFAULT_MIN_OFFLOADED_TENSOR_SIZE
+    # Megatron-LM's --deterministic-mode: megatron-core's unfused MoE unpermute then adds with index_add_, whose
+    # backward keeps its whole source (scatter_add_ keeps only the indices)
+    deterministic: bool = False
+    moe_permute_fusion: bool = False  # --moe-permute-fusion: TE's fused (un)permute, which keeps no such source
+    rope_fusion: bool = True  # --no-rope-fusion: unfused RoPE keeps its cos and sin for q and k in every layer
 
     @property
     def dtype_bytes(self) -> int:

@@ -3,8 +3,10 @@
 Projected peak of rank ``r`` with set ``S`` (bytes)::
 
     static    = parameters on the rank x 2 x dtype bytes          (weights + grads, no optimizer state)
+                + workspaces                                      (cuBLAS workspaces, RoPE's frequency cache)
     logits    = T * V_padded / t * (dtype bytes + 4)              (last stage: logits and the fp32 copy
-                                                                   the cross entropy makes)
+                + 2 * T * h / d * dtype bytes                      the cross entropy makes; the final norm's
+                                                                   saved input and output)
     act(none) = the largest candidate instant of the rank's schedule: the in-flight chunk forwards' saved
                 bytes plus the logits (forward end) or the first backward layer's working set
     act(S)    = the largest instant less what S has off the device at it
@@ -44,6 +46,13 @@ from mcore_offload.plan.schedule import PeakLayers, layer_assignment, peak_layer
 logger = logging.getLogger(__name__)
 
 GIB = 2**30
+MIB = 2**20
+#: One cuBLAS workspace on sm90+ GPUs (every GPU in plan.hardware). A process takes them once from PyTorch's caching
+#: allocator: PyTorch one per (handle, stream), of which training uses two (the forward's thread and autograd's
+#: backward thread); TE one for its GEMMs; TE's grouped-GEMM experts four more (its multi-stream GEMMs). Measured by
+#: the allocator census of benchmarks/results/planner-census-session56: 96 MiB on config A, 224 MiB on config C.
+CUBLAS_WORKSPACE_BYTES = 32 * MIB
+TE_GROUPED_GEMM_STREAMS = 4
 ATTENTION_SET = ("qkv_linear", "core_attn", "attn_proj")
 MOE_SET = ("expert_fc1", "moe_act")
 
@@ -84,7 +93,7 @@ class RankPlan:
     chunks: tuple[ChunkPlan, ...]
     peak: PeakLayers
     offloaded_layers: Mapping[str, int]  # layer kind -> layers whose groups are off the device at the peak
-    static_bytes: int
+    static_bytes: int  # weights, grads and workspace_bytes
     logits_bytes: int
     activation_bytes: Mapping[str, int]  # set label -> projected activation peak (incl. logits)
     peak_instants: Mapping[str, str]  # set label -> the instant that holds the peak
@@ -144,7 +153,16 @@ def _static_bytes(config: PlanConfig, rank: int, chunks: tuple[range, ...], moe_
         # Tied weights still need a copy of the embedding on the last stage when PP > 1.
         params += model.hidden_size + (embedding if model.untie_embeddings_and_output_weights or layout.pp > 1
                                        else 0)
-    return params * 2 * config.training.dtype_bytes
+    return params * 2 * config.training.dtype_bytes + workspace_bytes(config, any(moe_layers[i] for c in chunks
+                                                                                  for i in c))
+
+
+def workspace_bytes(config: PlanConfig, has_moe: bool) -> int:
+    """What a rank holds besides weights and grads from its first step on: cuBLAS workspaces
+    (:data:`CUBLAS_WORKSPACE_BYTES`) and the rotary embedding's cached fp32 frequencies (seq x head_dim)."""
+    training = config.training
+    workspaces = 2 + (1 + (TE_GROUPED_GEMM_STREAMS if has_moe else 0) if training.te else 0)
+    return workspaces * CUBLAS_WORKSPACE_BYTES + training.seq_length * config.model.head_dim * 4
 
 
 def _offload_sets(layers: Mapping[str, LayerActivations], training: TrainingSpec,
@@ -201,11 +219,14 @@ def build_plan(config: PlanConfig) -> Plan:
     vocab = padded_vocab(model, layout)
     tokens = training.seq_length * training.micro_batch_size
     last = layout.pp - 1
-    logits = [tokens * vocab // layout.tp * (training.dtype_bytes + 4) if r == last else 0
+    # the final norm keeps its input (the last layer's output) and the output layer its input (the norm's output)
+    final_norm = 2 * tokens * model.hidden_size // layout.seq_shards * training.dtype_bytes
+    logits = [tokens * vocab // layout.tp * (training.dtype_bytes + 4) + final_norm if r == last else 0
               for r in range(layout.pp)]
     timelines = tuple(
         rank_timeline(r, layout.pp, [chunk_layers([layers[kind(i)] for i in rng]) for rng in chunks],
-                      training.num_microbatches, logits[r], tokens * vocab // layout.tp * 4 if r == last else 0)
+                      training.num_microbatches, logits[r],
+                      tokens * vocab // layout.tp * 4 + final_norm if r == last else 0)
         for r, chunks in enumerate(assignment))
     baseline = [t.baseline_bytes for t in timelines]
     target = None if config.memory_target_gib is None else int(config.memory_target_gib * GIB)
@@ -260,7 +281,7 @@ def _warnings(config: PlanConfig, layers: Mapping[str, LayerActivations], sets: 
         out.append("local spec: norm and unfused-attention estimates are not validated on a GPU")
     if model.num_experts:
         out.append("MoE bytes assume balanced routing: each rank's experts receive seq x mbs x topk / d x ETP rows; "
-                   "measured MoE peaks ran 10-16% above this projection (docs/plan.md)")
+                   "MoE peaks are validated at TP = EP = 1 only (docs/plan.md)")
     if model.name == "deepseek-v3":
         out.append("deepseek-v3: multi-latent attention is modelled as standard attention (128 heads of 128)")
     if target is not None:

@@ -39,12 +39,15 @@ def _header(plan: Plan) -> list[str]:
     recompute = tr.recompute_granularity or "none"
     if tr.recompute_granularity == "selective":
         recompute += " " + ",".join(sorted(tr.recomputed))
+    switches = "".join(f", {name}" for name, on in (("deterministic", tr.deterministic),
+                                                     ("fused permute", tr.moe_permute_fusion and m.num_experts),
+                                                     ("unfused RoPE", not tr.rope_fusion)) if on)
     link = hw.link
     return [
         f"mcore-offload plan: {m.name} ({arch})",
         f"layout: TP={lay.tp} SP={'on' if lay.sp else 'off'} PP={lay.pp} VPP={lay.vpp} EP={lay.ep} ETP={lay.etp} | "
         f"seq {tr.seq_length} x mbs {tr.micro_batch_size}, {tr.num_microbatches} microbatches, {tr.dtype}, "
-        f"{tr.transformer_impl}, recompute {recompute}, min size {tr.min_offloaded_tensor_size}",
+        f"{tr.transformer_impl}, recompute {recompute}, min size {tr.min_offloaded_tensor_size}{switches}",
         f"schedule: {plan.schedule} | gpu {hw.name}: D2H {link.d2h_gbps:g} / H2D {link.h2d_gbps:g} / both "
         f"{link.both_gbps:g} GB/s, {hw.dense_tflops:g} TFLOP/s, {hw.memory_gib:g} GiB ({hw.source})",
     ]
@@ -88,8 +91,8 @@ def _ranks_table(plan: Plan) -> list[str]:
     layers = [_ranges([c.layers for c in r.chunks]) for r in plan.ranks]
     flights = [_in_flight(r) for r in plan.ranks]
     lw, fw = max(map(len, layers + ["layers"])) + 2, max(map(len, flights + ["in-flight"])) + 2
-    lines = ["", "Projected peak per pipeline rank, GiB (static = weights + grads; each set column = static + "
-                 "activations + logits)",
+    lines = ["", "Projected peak per pipeline rank, GiB (static = weights + grads + workspaces; each set column = "
+                 "static + activations + logits)",
              f"{'rank':<6}{'layers':<{lw}}{'in-flight':<{fw}}{'static':>8}"
              + "".join(f"{label:>{w}}" for label, w in zip(labels, widths))]
     for r, lay, flight in zip(plan.ranks, layers, flights):
