@@ -31,6 +31,8 @@ MoE: expert output     T*topk/d*h          none; only with --deterministic-mode 
                                            --moe-permute-fusion (unpermute's index_add_ keeps its source)
 RoPE cos and sin       4*s*head_dim        none; only with --no-rope-fusion (q's and k's, broadcast
                                            over the micro-batch)
+rotated q and k        T*(q + kv)/t        none; only with core_attn recomputed (its checkpoint saves them
+                                           and v, a view that keeps the whole q, k, v storage)
 =====================  ==================  ============================================================
 
 The last two were found by the allocator census of benchmarks/results/planner-census-session56 (config C: the
@@ -187,6 +189,10 @@ def _attention(b: _Builder, model: ModelSpec, layout: ParallelLayout, training: 
             core_extra = (b.keep("attention probabilities",
                                  tokens * model.num_attention_heads * training.seq_length / t),)
     out = b.keep("attention output", tokens * model.q_dim / t)
+    if "core_attn" in recomputed:
+        # The checkpoint saves its inputs: RoPE's fresh q and k, and v, a view that keeps the whole QKV output
+        # (benchmarks/results/planner-census-session56, E4: 80 MiB a layer where 48 were counted).
+        b.keep("rotated q and k (the core-attention checkpoint's inputs)", tokens * (model.q_dim + model.kv_dim) / t)
     if not training.rope_fusion:  # megatron-core's unfused RoPE multiplies q and k by fresh cos and sin tensors
         b.keep("RoPE cos and sin (unfused)", 4 * training.seq_length * model.head_dim)
 

@@ -1,12 +1,13 @@
 """The planner's no-offload peak for runs it was not fitted on, written down before they ran (session 56).
 
-    python3 benchmarks/results/planner-census-session56/predict.py flags NAME   # pretrain_gpt.py's flags of a run
-    python3 benchmarks/results/planner-census-session56/predict.py predict      # -> predictions.json (committed first)
-    python3 benchmarks/results/planner-census-session56/predict.py compare DIR  # measured NAME.json against it
+    python3 benchmarks/results/planner-census-session56/predict.py flags NAME         # pretrain_gpt.py's flags
+    python3 benchmarks/results/planner-census-session56/predict.py predict [2]        # -> predictions[2].json (done)
+    python3 benchmarks/results/planner-census-session56/predict.py compare DIR [2]    # measured NAME.json against it
 
-Each run's plan is built from its pretrain_gpt.py flags as tests/test_plan_validation.py builds the matrix's
-(``plan_argv``): the planner as of this session's change (expert outputs under deterministic unpermute, cuBLAS
-workspaces, unfused RoPE, the final norm, backward working set 1.25).
+Batch 1 (``predictions.json``) was written with the planner of commit 1c425c8; batch 2 (``predictions2.json``)
+after E4 of batch 1 missed by 4 % and the planner learnt what a core-attention checkpoint keeps. Each batch's
+file was committed before its runs. Each run's plan is built from its pretrain_gpt.py flags as
+tests/test_plan_validation.py builds the matrix's (``plan_argv``).
 """
 
 from __future__ import annotations
@@ -40,6 +41,20 @@ RUNS = {
     "E4-dense-recompute-det": f"--num-layers 8 --hidden-size 2048 --num-attention-heads 16 --ffn-hidden-size 8192 "
                               f"{COMMON} --recompute-granularity selective --deterministic",
 }
+# batch 2: recompute, after the core-attention checkpoint's inputs were modelled (E4)
+RUNS2 = {
+    # GQA and core_attn recompute: the checkpoint's rotated q and k are T (q + kv), not 2 T q
+    "E5-gqa-recompute-det": f"--num-layers 12 --hidden-size 3072 --num-attention-heads 24 --num-query-groups 8 "
+                            f"--ffn-hidden-size 8192 {COMMON} --recompute-granularity selective --deterministic",
+    # the dense MLP checkpointed: a layer keeps the MLP's input only
+    "E6-dense-mlp-recompute-det": f"--num-layers 8 --hidden-size 2048 --num-attention-heads 16 "
+                                  f"--ffn-hidden-size 8192 {COMMON} --recompute-granularity selective "
+                                  f"--recompute-modules mlp --deterministic",
+    # C's MoE model with the expert activation and the norms recomputed
+    "E7-moe-act-norm-recompute-det": f"{MOE_C} {COMMON} --recompute-granularity selective "
+                                     f"--recompute-modules moe_act layernorm --deterministic",
+}
+ALL_RUNS = {**RUNS, **RUNS2}
 
 
 def predicted_bytes(name: str) -> int:
@@ -47,21 +62,22 @@ def predicted_bytes(name: str) -> int:
     from pretrain_args import parse_args
     from test_plan_validation import _plan, plan_argv
 
-    args = vars(parse_args(RUNS[name].split()))
+    args = vars(parse_args(ALL_RUNS[name].split()))
     args["offload_modules"] = []
     return _plan(tuple(plan_argv(args))).ranks[0].total_bytes("none")
 
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["flags"]:
-        print(RUNS[argv[1]])
+        print(ALL_RUNS[argv[1]])
     elif argv[:1] == ["predict"]:
-        out = {name: predicted_bytes(name) for name in RUNS}
-        (HERE / "predictions.json").write_text(json.dumps(out, indent=1) + "\n")
+        batch = argv[1] if len(argv) > 1 else ""
+        out = {name: predicted_bytes(name) for name in (RUNS2 if batch == "2" else RUNS)}
+        (HERE / f"predictions{batch}.json").write_text(json.dumps(out, indent=1) + "\n")
         for name, b in out.items():
             print(f"{name:<24}{b / MIB:>10.1f} MiB")
     elif argv[:1] == ["compare"]:
-        predicted = json.loads((HERE / "predictions.json").read_text())
+        predicted = json.loads((HERE / f"predictions{argv[2] if len(argv) > 2 else ''}.json").read_text())
         print(f"{'run':<24}{'predicted':>11}{'measured':>11}{'error':>9}   (MiB, the no-offload peak of step 1)")
         for name, b in predicted.items():
             path = Path(argv[1]) / f"{name}.json"
