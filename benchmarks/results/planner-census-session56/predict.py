@@ -57,14 +57,19 @@ RUNS2 = {
 ALL_RUNS = {**RUNS, **RUNS2}
 
 
-def predicted_bytes(name: str) -> int:
+def plan_inputs(run_flags: str, offload_modules: list[str]):
+    """The plan of a pretrain_gpt.py run with these flags, as tests/test_plan_validation.py builds one, and its args."""
     sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "tests")]
     from pretrain_args import parse_args
     from test_plan_validation import _plan, plan_argv
 
-    args = vars(parse_args(ALL_RUNS[name].split()))
-    args["offload_modules"] = []
-    return _plan(tuple(plan_argv(args))).ranks[0].total_bytes("none")
+    args = vars(parse_args(run_flags.split()))
+    args["offload_modules"] = offload_modules
+    return _plan(tuple(plan_argv(args))), args
+
+
+def predicted_bytes(name: str) -> int:
+    return plan_inputs(ALL_RUNS[name], [])[0].ranks[0].total_bytes("none")
 
 
 def main(argv: list[str]) -> int:

@@ -1,0 +1,89 @@
+"""Batch 3: the planner's offloaded numbers (bytes per step per point, Δpeak) for runs it has not seen, written
+down before they ran (predictions3.json), and compared afterwards. Each run is one of predict.py's no-offload runs
+with an offload set; its Δpeak is that run's peak (runs2/, runs3/, same host kind) less its own.
+
+    python3 benchmarks/results/planner-census-session56/predict_offload.py flags NAME
+    python3 benchmarks/results/planner-census-session56/predict_offload.py predict        # -> predictions3.json
+    python3 benchmarks/results/planner-census-session56/predict_offload.py compare DIR    # DIR/NAME.json against it
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from predict import ALL_RUNS, MIB, plan_inputs  # noqa: E402
+
+OFFLOAD = "--fine-grained-activation-offloading --offload-modules"
+#: name -> (the no-offload run it extends, its folder, the offload set)
+RUNS3 = {
+    "O1-gqa-attn-det": ("E1-gqa-det", "runs2", "qkv_linear core_attn attn_proj"),
+    "O2-gqa-recompute-qkv-proj-det": ("E5-gqa-recompute-det", "runs3", "qkv_linear attn_proj"),
+    "O3-moe-mbs2-experts-det": ("E2-moe-mbs2-det", "runs2", "expert_fc1 moe_act"),
+    "O4-moe-recompute-fc1-det": ("E7-moe-act-norm-recompute-det", "runs3", "expert_fc1"),
+}
+
+
+def flags(name: str) -> str:
+    base, _, modules = RUNS3[name]
+    return f"{ALL_RUNS[base]} {OFFLOAD} {modules}"
+
+
+def predicted(name: str) -> dict:
+    base, _, modules = RUNS3[name]
+    plan, args = plan_inputs(ALL_RUNS[base], modules.split())
+    timeline = plan.timelines[0]
+    return {"delta_peak": timeline.delta_peak(modules.split()),
+            "offloaded": dict(timeline.offloaded_per_step(modules.split()))}
+
+
+def measured(name: str, folder: Path) -> dict | None:
+    base, base_folder, _ = RUNS3[name]
+    path = folder / f"{name}.json"
+    if not path.exists():
+        return None
+    row = json.loads(path.read_text())["ranks"][0]
+    plain = json.loads((HERE / base_folder / f"{base}.json").read_text())["ranks"][0]
+    return {"delta_peak": plain["peak_bytes_step1"] - row["peak_bytes_step1"],
+            "offloaded": {p: v["offloaded"] for p, v in row["offload"]["last_step"].items()},
+            "loss_equal": row["loss_hex"] == plain["loss_hex"]}
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["flags"]:
+        print(flags(argv[1]))
+    elif argv[:1] == ["predict"]:
+        out = {name: predicted(name) for name in RUNS3}
+        (HERE / "predictions3.json").write_text(json.dumps(out, indent=1) + "\n")
+        for name, p in out.items():
+            print(f"{name:<32} Δpeak {p['delta_peak'] / MIB:8.1f} MiB, per step "
+                  + ", ".join(f"{k} {v / MIB:.0f}" for k, v in p["offloaded"].items()))
+    elif argv[:1] == ["compare"]:
+        predictions = json.loads((HERE / "predictions3.json").read_text())
+        print("MiB: predicted / measured (error); loss: bitwise equal to the no-offload run's")
+        for name, p in predictions.items():
+            m = measured(name, Path(argv[1]))
+            if m is None:
+                print(f"{name:<32} no run")
+                continue
+            parts = [f"Δpeak {p['delta_peak'] / MIB:.1f} / {m['delta_peak'] / MIB:.1f} "
+                     f"({(p['delta_peak'] - m['delta_peak']) / m['delta_peak']:+.1%})"]
+            offloaded, got_all = dict(p["offloaded"]), dict(m["offloaded"])
+            if "attn_proj" in offloaded and "core_attn" in offloaded and not got_all.get("attn_proj"):
+                # the runtime counts the attention output, saved by both points, under core_attn
+                offloaded["core_attn"] += offloaded.pop("attn_proj")
+            for point, b in offloaded.items():
+                got = got_all.get(point, 0)
+                parts.append(f"{point} {b / MIB:.0f} / {got / MIB:.0f}")
+            print(f"{name:<32} " + "; ".join(parts) + f"; loss equal {m['loss_equal']}")
+    else:
+        print(__doc__)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
