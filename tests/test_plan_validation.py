@@ -6,7 +6,10 @@ The fixtures are the committed results (read, never written):
 
 * ``benchmarks/results/issue4-h100-pp1/{A,B,C}/results.json``: 1 x H100, PP = 1, 4 microbatches;
 * ``benchmarks/results/issue4-h200x2-pp2-vpp2/{D-dense,D-moe}/results.json``: 2 x H200, A's and C's models at
-  PP = 2 x VPP = 2, 8 microbatches.
+  PP = 2 x VPP = 2, 8 microbatches;
+* ``benchmarks/results/planner-census-session56/runs4``: 1 x H200, GQA, selective recompute and a top-2 MoE at
+  micro-batch 2 with offloading, whose numbers were predicted before they ran; Δpeak against the same run without
+  offloading (``runs2``, ``runs3``).
 
 Those ran the runtime before its second look (commit 0055084, ``runtime/second_look.py``) and are checked against
 ``RankTimeline.without_second_look()``. ``benchmarks/results/issue5-session39/runs/da3`` (2 x H200, D-dense with
@@ -45,6 +48,15 @@ DELTA_PEAK_TOLERANCE = 0.10
 MIB = 2**20
 #: Runs of the runtime with the second look (benchmarks/pretrain_gpt.py --alternate-offload JSONs), config label.
 SECOND_LOOK_RUNS = (("issue5-session39/runs/da3/alt_attn-none-1.json", "D-dense"),)
+#: Offloaded runs whose numbers were predicted before they ran (session 56, 1 x H200; predict_offload.py there):
+#: (the offloaded run, the same run without offloading, label).
+PREDICTED_RUNS = tuple(
+    (f"planner-census-session56/runs4/{run}.json", f"planner-census-session56/{base}.json", label)
+    for run, base, label in (
+        ("O1-gqa-attn-det", "runs2/E1-gqa-det", "GQA"),
+        ("O2-gqa-recompute-qkv-proj-det", "runs3/E5-gqa-recompute-det", "GQA, core_attn recomputed"),
+        ("O3-moe-mbs2-experts-det", "runs2/E2-moe-mbs2-det", "MoE top-2, mbs 2"),
+        ("O4-moe-recompute-fc1-det", "runs3/E7-moe-act-norm-recompute-det", "C, moe_act + layernorm recomputed")))
 
 
 @dataclass(frozen=True)
@@ -60,6 +72,7 @@ class Measurement:
     args: dict
     second_look: bool = False  # the runtime had the second look (commit 0055084 on)
     source: str = "issue4"
+    note: str = "second look"  # what the label says of a run outside the issue-4 matrix
 
     @property
     def id(self) -> str:
@@ -69,7 +82,7 @@ class Measurement:
     @property
     def label(self) -> str:
         """The config as docs/plan.md's table names it."""
-        return self.config if self.source == "issue4" else f"{self.config} ({self.source}, second look)"
+        return self.config if self.source == "issue4" else f"{self.config} ({self.source}, {self.note})"
 
 
 def load_measurements() -> list[Measurement]:
@@ -99,9 +112,25 @@ def load_second_look_measurements() -> list[Measurement]:
     return out
 
 
+def load_predicted_measurements() -> list[Measurement]:
+    out = []
+    for path, base, label in PREDICTED_RUNS:
+        doc = json.loads((RESULTS / path).read_text())
+        row = doc["ranks"][0]
+        plain = json.loads((RESULTS / base).read_text())["ranks"][0]
+        assert row["loss_hex"] == plain["loss_hex"], path  # offloading changed no number
+        offloaded = {p: v["offloaded"] for p, v in row["offload"]["last_step"].items()}
+        out.append(Measurement(label, tuple(doc["args"]["offload_modules"]), 0,
+                               plain["peak_bytes_step1"] - row["peak_bytes_step1"],
+                               row["offload"]["off_device_at_peak_bytes"], offloaded, doc["args"], True, "s56",
+                               "predicted before it ran"))
+    return out
+
+
 MEASUREMENTS = load_measurements()  # the issue-4 matrix, without the second look
 SECOND_LOOK_MEASUREMENTS = load_second_look_measurements()
-ALL_MEASUREMENTS = MEASUREMENTS + SECOND_LOOK_MEASUREMENTS
+PREDICTED_MEASUREMENTS = load_predicted_measurements()
+ALL_MEASUREMENTS = MEASUREMENTS + SECOND_LOOK_MEASUREMENTS + PREDICTED_MEASUREMENTS
 
 
 def plan_argv(args: dict) -> list[str]:
@@ -240,7 +269,7 @@ def test_delta_peak_within_10_percent(m):
         f"delta peak off by more than {DELTA_PEAK_TOLERANCE:.0%}\n{table(m)}"
 
 
-@pytest.mark.parametrize("m", MEASUREMENTS, ids=lambda m: m.id)
+@pytest.mark.parametrize("m", MEASUREMENTS + PREDICTED_MEASUREMENTS, ids=lambda m: m.id)
 def test_off_device_bytes_at_the_peak_within_10_percent(m):
     """What the runtime had off the device when the peak was reached, against the planner's binding instant:
     the check that the peak falls where the planner says (forward end or the first backward)."""

@@ -52,38 +52,37 @@ def measured(name: str, folder: Path) -> dict | None:
             "loss_equal": row["loss_hex"] == plain["loss_hex"]}
 
 
-def main(argv: list[str]) -> int:
-    if argv[:1] == ["flags"]:
-        print(flags(argv[1]))
-    elif argv[:1] == ["predict"]:
-        out = {name: predicted(name) for name in RUNS3}
-        (HERE / "predictions3.json").write_text(json.dumps(out, indent=1) + "\n")
-        for name, p in out.items():
-            print(f"{name:<32} Δpeak {p['delta_peak'] / MIB:8.1f} MiB, per step "
-                  + ", ".join(f"{k} {v / MIB:.0f}" for k, v in p["offloaded"].items()))
-    elif argv[:1] == ["compare"]:
-        predictions = json.loads((HERE / "predictions3.json").read_text())
-        print("MiB: predicted / measured (error); loss: bitwise equal to the no-offload run's")
-        for name, p in predictions.items():
-            m = measured(name, Path(argv[1]))
-            if m is None:
-                print(f"{name:<32} no run")
-                continue
-            parts = [f"Δpeak {p['delta_peak'] / MIB:.1f} / {m['delta_peak'] / MIB:.1f} "
-                     f"({(p['delta_peak'] - m['delta_peak']) / m['delta_peak']:+.1%})"]
-            offloaded, got_all = dict(p["offloaded"]), dict(m["offloaded"])
-            if "attn_proj" in offloaded and "core_attn" in offloaded and not got_all.get("attn_proj"):
-                # the runtime counts the attention output, saved by both points, under core_attn
-                offloaded["core_attn"] += offloaded.pop("attn_proj")
-            for point, b in offloaded.items():
-                got = got_all.get(point, 0)
-                parts.append(f"{point} {b / MIB:.0f} / {got / MIB:.0f}")
-            print(f"{name:<32} " + "; ".join(parts) + f"; loss equal {m['loss_equal']}")
-    else:
-        print(__doc__)
-        return 2
-    return 0
+def write_predictions() -> None:
+    out = {name: predicted(name) for name in RUNS3}
+    (HERE / "predictions3.json").write_text(json.dumps(out, indent=1) + "\n")
+    for name, p in out.items():
+        print(f"{name:<32} Δpeak {p['delta_peak'] / MIB:8.1f} MiB, per step "
+              + ", ".join(f"{k} {v / MIB:.0f}" for k, v in p["offloaded"].items()))
 
+
+def print_comparison(folder: Path) -> None:
+    predictions = json.loads((HERE / "predictions3.json").read_text())
+    print("MiB: predicted / measured (error); loss: bitwise equal to the no-offload run's")
+    for name, p in predictions.items():
+        m = measured(name, folder)
+        if m is None:
+            print(f"{name:<32} no run")
+            continue
+        parts = [f"Δpeak {p['delta_peak'] / MIB:.1f} / {m['delta_peak'] / MIB:.1f} "
+                 f"({(p['delta_peak'] - m['delta_peak']) / m['delta_peak']:+.1%})"]
+        offloaded, got_all = dict(p["offloaded"]), dict(m["offloaded"])
+        if "attn_proj" in offloaded and "core_attn" in offloaded and not got_all.get("attn_proj"):
+            # the runtime counts the attention output, saved by both points, under core_attn
+            offloaded["core_attn"] += offloaded.pop("attn_proj")
+        parts += [f"{point} {b / MIB:.0f} / {got_all.get(point, 0) / MIB:.0f}" for point, b in offloaded.items()]
+        print(f"{name:<32} " + "; ".join(parts) + f"; loss equal {m['loss_equal']}")
+
+
+COMMANDS = {"flags": lambda rest: print(flags(rest[0])), "predict": lambda rest: write_predictions(),
+            "compare": lambda rest: print_comparison(Path(rest[0]))}
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    if sys.argv[1:2] and sys.argv[1] in COMMANDS:
+        COMMANDS[sys.argv[1]](sys.argv[2:])
+    else:
+        sys.exit(__doc__)
