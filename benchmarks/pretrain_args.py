@@ -33,6 +33,8 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     a("--moe-token-dispatcher-type", default=None, choices=["allgather", "alltoall"])
     a("--transformer-impl", default="transformer_engine", choices=["transformer_engine", "local"])
     a("--bf16", action="store_true")
+    a("--hidden-dropout", type=float, default=0.0, help="0 unless asked (Megatron-LM's default is 0.1)")
+    a("--attention-dropout", type=float, default=0.0, help="0 unless asked (Megatron-LM's default is 0.1)")
     a("--recompute-granularity", default=None, choices=["full", "selective"])
     a("--recompute-modules", nargs="*", default=None)
     a("--fp8", default=None, choices=["e4m3", "hybrid"], help="TransformerEngine FP8 (GPU)")

@@ -88,7 +88,7 @@ def build_config(args):
         expert_model_parallel_size=args.expert_model_parallel_size,
         bf16=args.bf16, params_dtype=dtype, pipeline_dtype=dtype,
         normalization="RMSNorm" if te else "LayerNorm", gated_linear_unit=te, activation_func=F.silu if te else F.gelu,
-        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+        add_bias_linear=False, hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         bias_activation_fusion=te, masked_softmax_fusion=False, bias_dropout_fusion=te,
         gradient_accumulation_fusion=False, use_cpu_initialization=not torch.cuda.is_available(),
         recompute_granularity=args.recompute_granularity, recompute_modules=args.recompute_modules,

@@ -30,6 +30,7 @@ from mcore_offload.plan import (
     transfer_timing,
     warmup_forwards,
 )
+from mcore_offload.plan.cli import config_from_args
 from mcore_offload.plan.model import parse_moe_layer_freq
 from mcore_offload.plan.planner import CUBLAS_WORKSPACE_BYTES, workspace_bytes
 from mcore_offload.plan.schedule import layer_assignment, peak_layers
@@ -520,3 +521,33 @@ def test_png_output_and_missing_matplotlib(tmp_path, capsys, monkeypatch):
 def test_patch_subcommands_still_parse():
     for action in ("apply", "check", "revert", "status"):
         assert build_parser().parse_args(["patch", action]).action == action
+
+
+def test_dropout_masks_follow_megatron_lm_defaults():
+    """A hidden dropout keeps a one-byte mask at each of the layer's two residual adds, outside every offload point;
+    the CLI takes Megatron-LM's 0.1 without a preset and 0 with one; TE's attention keeps no mask, the local
+    spec's unfused attention keeps one inside core_attn."""
+    plain = layer_activations(DENSE, ParallelLayout(), training(dtype="bf16"), moe=False)
+    dropped = layer_activations(DENSE, ParallelLayout(), training(dtype="bf16", hidden_dropout=0.1,
+                                                                  attention_dropout=0.1), moe=False)
+    assert dropped.total_bytes - plain.total_bytes == 2 * 4096 * 2048  # two bool masks of T h
+    assert dropped.points == plain.points  # no offload point moves them
+    local = training(dtype="bf16", transformer_impl="local")
+    unfused = layer_activations(DENSE, ParallelLayout(), local, moe=False)
+    unfused_dropped = layer_activations(DENSE, ParallelLayout(), training(dtype="bf16", transformer_impl="local",
+                                                                          attention_dropout=0.1), moe=False)
+    mask = 4096 * 16 * 4096  # T a s bytes
+    assert unfused_dropped.points["core_attn"].offloaded_bytes - unfused.points["core_attn"].offloaded_bytes == mask
+    model = ["--num-layers", "4", "--hidden-size", "2048", "--num-attention-heads", "16", "--ffn-hidden-size", "8192"]
+    config, _ = config_from_args(build_parser().parse_args(["plan", *model]))
+    assert (config.training.hidden_dropout, config.training.attention_dropout) == (0.1, 0.1)
+    config, _ = config_from_args(build_parser().parse_args(["plan", "--preset", "llama3-8b"]))
+    assert (config.training.hidden_dropout, config.training.attention_dropout) == (0.0, 0.0)
+    config, _ = config_from_args(build_parser().parse_args(["plan", *model, "--hidden-dropout", "0"]))
+    assert config.training.hidden_dropout == 0.0
+
+
+def test_a_dropout_outside_0_1_is_refused(capsys):
+    rc = main(["plan", "--preset", "llama3-8b", "--hidden-dropout", "1.5"])
+    assert rc == 2
+    assert "a dropout probability must lie in [0, 1), got 1.5" in capsys.readouterr().err

@@ -154,6 +154,8 @@ def plan_argv(args: dict) -> list[str]:
     if args.get("deterministic"):  # pretrain_gpt.py's --deterministic: torch's deterministic algorithms
         argv.append("--deterministic-mode")
     argv.append("--no-rope-fusion")  # pretrain_gpt.py keeps TransformerConfig's apply_rope_fusion=False
+    for key in ("hidden_dropout", "attention_dropout"):  # pretrain_gpt.py: 0 unless asked (no flag before s56)
+        argv += [f"--{key.replace('_', '-')}", str(args.get(key) or 0.0)]
     # pretrain_gpt.py: gated_linear_unit (SwiGLU) with the TE spec, share_embeddings_and_output_weights=False
     if args["transformer_impl"] == "transformer_engine":
         argv.append("--swiglu")

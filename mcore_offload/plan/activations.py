@@ -5,7 +5,7 @@ Notation: ``T = seq_length * micro_batch_size`` tokens, ``h`` hidden, ``a`` head
 ``kv = query_groups * head_dim``, ``t`` TP, ``d = t`` with sequence parallelism else 1, ``f`` FFN size,
 ``g = 2`` for SwiGLU else 1. Sizes are elements; bytes are elements x dtype bytes unless a storage says fp32.
 
-TE spec, flash/fused attention, no dropout (per layer, per microbatch):
+TE spec, flash/fused attention (per layer, per microbatch; dropout's masks at the end of the table):
 
 =====================  ==================  ============================================================
 saved tensor           elements            offload point
@@ -33,6 +33,9 @@ RoPE cos and sin       4*s*head_dim        none; only with --no-rope-fusion (q's
                                            over the micro-batch)
 rotated q and k        T*(q + kv)/t        none; only with core_attn recomputed (its checkpoint saves them
                                            and v, a view that keeps the whole q, k, v storage)
+dropout masks          2*T*h/d bytes       none; only with --hidden-dropout > 0 (the two residual adds';
+                                           one byte an element); the local spec's attention dropout keeps
+                                           T*a*s/t bytes inside ``core_attn``
 =====================  ==================  ============================================================
 
 The last two were found by the allocator census of benchmarks/results/planner-census-session56 (config C: the
@@ -157,6 +160,9 @@ def layer_activations(model: ModelSpec, layout: ParallelLayout, training: Traini
         _dense_mlp(b, model, layout, training, tokens)
         b.nothing("expert_fc1", "dense layer: no experts")
         b.nothing("moe_act", "dense layer: no experts")
+    if training.hidden_dropout > 0:  # the two residual adds' dropouts, outside every offload point
+        b.keep("hidden dropout masks (two, one byte an element)", 2 * tokens * model.hidden_size / layout.seq_shards,
+               itemsize=1)
     points = {name: b.points[name] for name in OFFLOAD_MODULES}
     return LayerActivations("moe" if moe else "dense", points, tuple(b.saved), tuple(b.notes))
 
@@ -188,6 +194,9 @@ def _attention(b: _Builder, model: ModelSpec, layout: ParallelLayout, training: 
         else:
             core_extra = (b.keep("attention probabilities",
                                  tokens * model.num_attention_heads * training.seq_length / t),)
+            if training.attention_dropout > 0:
+                core_extra += (b.keep("attention dropout mask (one byte an element)",
+                                      tokens * model.num_attention_heads * training.seq_length / t, itemsize=1),)
     out = b.keep("attention output", tokens * model.q_dim / t)
     if "core_attn" in recomputed:
         # The checkpoint saves its inputs: RoPE's fresh q and k, and v, a view that keeps the whole QKV output

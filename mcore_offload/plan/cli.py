@@ -27,6 +27,9 @@ from mcore_offload.plan.report import format_table, write_json, write_png
 DEFAULT_MICROBATCHES_PER_STAGE = 4
 
 
+#: Megatron-LM's default --hidden-dropout and --attention-dropout
+MEGATRON_LM_DROPOUT = 0.1
+
 def _model_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model (Megatron-LM flags; they override a preset's values)")
     g.add_argument("--preset", help=f"start from a public architecture: {', '.join(preset_names())}")
@@ -76,6 +79,9 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-permute-fusion", action="store_true", help="TE's fused MoE (un)permutation")
     g.add_argument("--no-rope-fusion", dest="rope_fusion", action="store_false",
                    help="unfused RoPE: every layer keeps its cos and sin")
+    for flag in ("--hidden-dropout", "--attention-dropout"):
+        g.add_argument(flag, type=float, default=None,
+                       help="default Megatron-LM's 0.1, or 0 with a preset (their recipes train without dropout)")
 
 
 def _output_flags(p: argparse.ArgumentParser) -> None:
@@ -156,6 +162,14 @@ def _microbatches(args: argparse.Namespace, layout: ParallelLayout) -> tuple[int
     return args.global_batch_size // per_step, None
 
 
+def _dropout(value: float | None, preset: str | None) -> float:
+    if value is None:
+        return 0.0 if preset else MEGATRON_LM_DROPOUT
+    if not 0 <= value < 1:
+        raise PlanError(f"a dropout probability must lie in [0, 1), got {value:g}; pass e.g. --hidden-dropout 0.1.")
+    return value
+
+
 def config_from_args(args: argparse.Namespace) -> tuple[PlanConfig, list[str]]:
     """The plan configuration the flags describe, plus notes about assumed values."""
     model = _model(args)
@@ -177,7 +191,9 @@ def config_from_args(args: argparse.Namespace) -> tuple[PlanConfig, list[str]]:
                             offload_modules=tuple(args.offload_modules),
                             min_offloaded_tensor_size=args.min_offloaded_tensor_size,
                             deterministic=args.deterministic_mode, moe_permute_fusion=args.moe_permute_fusion,
-                            rope_fusion=args.rope_fusion)
+                            rope_fusion=args.rope_fusion,
+                            hidden_dropout=_dropout(args.hidden_dropout, args.preset),
+                            attention_dropout=_dropout(args.attention_dropout, args.preset))
     hw = get_hardware(args.gpu, args.link_gbps, args.link_both_gbps, args.tflops)
     if not 0 <= args.max_exposed_percent <= 100:
         raise PlanError(f"--max-exposed-percent must lie between 0 and 100, got {args.max_exposed_percent:g}; "

@@ -139,6 +139,10 @@ class TrainingSpec:
     deterministic: bool = False
     moe_permute_fusion: bool = False  # --moe-permute-fusion: TE's fused (un)permute, which keeps no such source
     rope_fusion: bool = True  # --no-rope-fusion: unfused RoPE keeps its cos and sin for q and k in every layer
+    # --hidden-dropout / --attention-dropout (the CLI takes Megatron-LM's 0.1 without a preset): a dropout keeps a
+    # one-byte mask of what it drops; TE's flash/fused attention keeps its RNG state instead
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
 
     @property
     def dtype_bytes(self) -> int:

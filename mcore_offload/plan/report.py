@@ -41,7 +41,10 @@ def _header(plan: Plan) -> list[str]:
         recompute += " " + ",".join(sorted(tr.recomputed))
     switches = "".join(f", {name}" for name, on in (("deterministic", tr.deterministic),
                                                      ("fused permute", tr.moe_permute_fusion and m.num_experts),
-                                                     ("unfused RoPE", not tr.rope_fusion)) if on)
+                                                     ("unfused RoPE", not tr.rope_fusion),
+                                                     (f"hidden dropout {tr.hidden_dropout:g}", tr.hidden_dropout),
+                                                     (f"attention dropout {tr.attention_dropout:g}",
+                                                      tr.attention_dropout)) if on)
     link = hw.link
     return [
         f"mcore-offload plan: {m.name} ({arch})",

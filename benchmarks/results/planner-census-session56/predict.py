@@ -5,8 +5,9 @@
     python3 benchmarks/results/planner-census-session56/predict.py compare DIR [2]    # measured NAME.json against it
 
 Batch 1 (``predictions.json``) was written with the planner of commit 1c425c8; batch 2 (``predictions2.json``)
-after E4 of batch 1 missed by 4 % and the planner learnt what a core-attention checkpoint keeps. Each batch's
-file was committed before its runs. Each run's plan is built from its pretrain_gpt.py flags as
+after E4 of batch 1 missed by 4 % and the planner learnt what a core-attention checkpoint keeps; batch 4
+(``predictions4.json``, dropout) after the planner learnt the dropout masks (batch 3 is predict_offload.py's).
+Each batch's file was committed before its runs. Each run's plan is built from its pretrain_gpt.py flags as
 tests/test_plan_validation.py builds the matrix's (``plan_argv``).
 """
 
@@ -54,7 +55,15 @@ RUNS2 = {
     "E7-moe-act-norm-recompute-det": f"{MOE_C} {COMMON} --recompute-granularity selective "
                                      f"--recompute-modules moe_act layernorm --deterministic",
 }
-ALL_RUNS = {**RUNS, **RUNS2}
+# batch 4: dropout (Megatron-LM's default 0.1), after the planner learnt its masks from megatron-core's source
+A8 = "--num-layers 8 --hidden-size 2048 --num-attention-heads 16 --ffn-hidden-size 8192"
+RUNS4 = {
+    "E8-dense-dropout-det": f"{A8} {COMMON} --hidden-dropout 0.1 --deterministic",
+    # TE's fused attention keeps its RNG state, not a mask: the same peak as E8 is the prediction
+    "E9-dense-dropouts-det": f"{A8} {COMMON} --hidden-dropout 0.1 --attention-dropout 0.1 --deterministic",
+}
+BATCHES = {"": RUNS, "2": RUNS2, "4": RUNS4}
+ALL_RUNS = {**RUNS, **RUNS2, **RUNS4}
 
 
 def plan_inputs(run_flags: str, offload_modules: list[str]):
@@ -77,7 +86,7 @@ def main(argv: list[str]) -> int:
         print(ALL_RUNS[argv[1]])
     elif argv[:1] == ["predict"]:
         batch = argv[1] if len(argv) > 1 else ""
-        out = {name: predicted_bytes(name) for name in (RUNS2 if batch == "2" else RUNS)}
+        out = {name: predicted_bytes(name) for name in BATCHES[batch]}
         (HERE / f"predictions{batch}.json").write_text(json.dumps(out, indent=1) + "\n")
         for name, b in out.items():
             print(f"{name:<24}{b / MIB:>10.1f} MiB")

@@ -3,8 +3,8 @@ down before they ran (predictions3.json), and compared afterwards. Each run is o
 with an offload set; its Δpeak is that run's peak (runs2/, runs3/, same host kind) less its own.
 
     python3 benchmarks/results/planner-census-session56/predict_offload.py flags NAME
-    python3 benchmarks/results/planner-census-session56/predict_offload.py predict        # -> predictions3.json
-    python3 benchmarks/results/planner-census-session56/predict_offload.py compare DIR    # DIR/NAME.json against it
+    python3 benchmarks/results/planner-census-session56/predict_offload.py predict 3|5       # -> predictions3|5.json
+    python3 benchmarks/results/planner-census-session56/predict_offload.py compare DIR 3|5   # DIR/NAME.json against it
 """
 
 from __future__ import annotations
@@ -25,15 +25,19 @@ RUNS3 = {
     "O3-moe-mbs2-experts-det": ("E2-moe-mbs2-det", "runs2", "expert_fc1 moe_act"),
     "O4-moe-recompute-fc1-det": ("E7-moe-act-norm-recompute-det", "runs3", "expert_fc1"),
 }
+#: batch 5 (predictions5.json): dropout's masks stay on the device, outside every offload point
+RUNS5 = {"O5-dense-dropout-attn-det": ("E8-dense-dropout-det", "runs5", "qkv_linear core_attn attn_proj")}
+BATCHES = {"3": RUNS3, "5": RUNS5}
+ALL = {**RUNS3, **RUNS5}
 
 
 def flags(name: str) -> str:
-    base, _, modules = RUNS3[name]
+    base, _, modules = ALL[name]
     return f"{ALL_RUNS[base]} {OFFLOAD} {modules}"
 
 
 def predicted(name: str) -> dict:
-    base, _, modules = RUNS3[name]
+    base, _, modules = ALL[name]
     plan, args = plan_inputs(ALL_RUNS[base], modules.split())
     timeline = plan.timelines[0]
     return {"delta_peak": timeline.delta_peak(modules.split()),
@@ -41,7 +45,7 @@ def predicted(name: str) -> dict:
 
 
 def measured(name: str, folder: Path) -> dict | None:
-    base, base_folder, _ = RUNS3[name]
+    base, base_folder, _ = ALL[name]
     path = folder / f"{name}.json"
     if not path.exists():
         return None
@@ -52,16 +56,16 @@ def measured(name: str, folder: Path) -> dict | None:
             "loss_equal": row["loss_hex"] == plain["loss_hex"]}
 
 
-def write_predictions() -> None:
-    out = {name: predicted(name) for name in RUNS3}
-    (HERE / "predictions3.json").write_text(json.dumps(out, indent=1) + "\n")
+def write_predictions(batch: str) -> None:
+    out = {name: predicted(name) for name in BATCHES[batch]}
+    (HERE / f"predictions{batch}.json").write_text(json.dumps(out, indent=1) + "\n")
     for name, p in out.items():
         print(f"{name:<32} Δpeak {p['delta_peak'] / MIB:8.1f} MiB, per step "
               + ", ".join(f"{k} {v / MIB:.0f}" for k, v in p["offloaded"].items()))
 
 
-def print_comparison(folder: Path) -> None:
-    predictions = json.loads((HERE / "predictions3.json").read_text())
+def print_comparison(folder: Path, batch: str) -> None:
+    predictions = json.loads((HERE / f"predictions{batch}.json").read_text())
     print("MiB: predicted / measured (error); loss: bitwise equal to the no-offload run's")
     for name, p in predictions.items():
         m = measured(name, folder)
@@ -78,8 +82,8 @@ def print_comparison(folder: Path) -> None:
         print(f"{name:<32} " + "; ".join(parts) + f"; loss equal {m['loss_equal']}")
 
 
-COMMANDS = {"flags": lambda rest: print(flags(rest[0])), "predict": lambda rest: write_predictions(),
-            "compare": lambda rest: print_comparison(Path(rest[0]))}
+COMMANDS = {"flags": lambda rest: print(flags(rest[0])), "predict": lambda rest: write_predictions(rest[0]),
+            "compare": lambda rest: print_comparison(Path(rest[0]), rest[1])}
 
 if __name__ == "__main__":
     if sys.argv[1:2] and sys.argv[1] in COMMANDS:

@@ -14,5 +14,5 @@ for name in O1-gqa-attn-det O2-gqa-recompute-qkv-proj-det O3-moe-mbs2-experts-de
     $(python3 $here/predict_offload.py flags $name) --json-out "$work/$name.json" > "$work/$name.log" 2>&1
   echo "$name rc=$? $((SECONDS - t0)) s" | tee -a "$work/runs.txt"
 done
-python3 $here/predict_offload.py compare "$work" | tee "$work/compare.txt"
+python3 $here/predict_offload.py compare "$work" 3 | tee "$work/compare.txt"
 tar czf "$out/runs4.tgz" -C "$work" .
