@@ -7,9 +7,9 @@ The fixtures are the committed results (read, never written):
 * ``benchmarks/results/issue4-h100-pp1/{A,B,C}/results.json``: 1 x H100, PP = 1, 4 microbatches;
 * ``benchmarks/results/issue4-h200x2-pp2-vpp2/{D-dense,D-moe}/results.json``: 2 x H200, A's and C's models at
   PP = 2 x VPP = 2, 8 microbatches;
-* ``benchmarks/results/planner-census-session56/runs4``: 1 x H200, GQA, selective recompute and a top-2 MoE at
-  micro-batch 2 with offloading, whose numbers were predicted before they ran; Δpeak against the same run without
-  offloading (``runs2``, ``runs3``).
+* ``benchmarks/results/planner-census-session56/runs4``, ``runs5``: 1 x H200, GQA, selective recompute, a top-2
+  MoE at micro-batch 2 and hidden dropout with offloading, whose numbers were predicted before they ran; Δpeak
+  against the same run without offloading (``runs2``, ``runs3``, ``runs5``).
 
 Those ran the runtime before its second look (commit 0055084, ``runtime/second_look.py``) and are checked against
 ``RankTimeline.without_second_look()``. ``benchmarks/results/issue5-session39/runs/da3`` (2 x H200, D-dense with
@@ -51,12 +51,13 @@ SECOND_LOOK_RUNS = (("issue5-session39/runs/da3/alt_attn-none-1.json", "D-dense"
 #: Offloaded runs whose numbers were predicted before they ran (session 56, 1 x H200; predict_offload.py there):
 #: (the offloaded run, the same run without offloading, label).
 PREDICTED_RUNS = tuple(
-    (f"planner-census-session56/runs4/{run}.json", f"planner-census-session56/{base}.json", label)
+    (f"planner-census-session56/{run}.json", f"planner-census-session56/{base}.json", label)
     for run, base, label in (
-        ("O1-gqa-attn-det", "runs2/E1-gqa-det", "GQA"),
-        ("O2-gqa-recompute-qkv-proj-det", "runs3/E5-gqa-recompute-det", "GQA, core_attn recomputed"),
-        ("O3-moe-mbs2-experts-det", "runs2/E2-moe-mbs2-det", "MoE top-2, mbs 2"),
-        ("O4-moe-recompute-fc1-det", "runs3/E7-moe-act-norm-recompute-det", "C, moe_act + layernorm recomputed")))
+        ("runs4/O1-gqa-attn-det", "runs2/E1-gqa-det", "GQA"),
+        ("runs4/O2-gqa-recompute-qkv-proj-det", "runs3/E5-gqa-recompute-det", "GQA, core_attn recomputed"),
+        ("runs4/O3-moe-mbs2-experts-det", "runs2/E2-moe-mbs2-det", "MoE top-2, mbs 2"),
+        ("runs4/O4-moe-recompute-fc1-det", "runs3/E7-moe-act-norm-recompute-det", "C, moe_act + layernorm recomputed"),
+        ("runs5/O5-dense-dropout-attn-det", "runs5/E8-dense-dropout-det", "A at 8 layers, hidden dropout 0.1")))
 
 
 @dataclass(frozen=True)

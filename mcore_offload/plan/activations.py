@@ -34,7 +34,8 @@ RoPE cos and sin       4*s*head_dim        none; only with --no-rope-fusion (q's
 rotated q and k        T*(q + kv)/t        none; only with core_attn recomputed (its checkpoint saves them
                                            and v, a view that keeps the whole q, k, v storage)
 dropout masks          2*T*h/d bytes       none; only with --hidden-dropout > 0 (the two residual adds';
-                                           one byte an element); the local spec's attention dropout keeps
+                                           one byte an element; the first stage keeps the embedding's
+                                           too, planner.py); the local spec's attention dropout keeps
                                            T*a*s/t bytes inside ``core_attn``
 =====================  ==================  ============================================================
 

@@ -20,7 +20,7 @@ import itertools
 import logging
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mcore_offload.config import OFFLOAD_MODULES
 from mcore_offload.plan.activations import LayerActivations, layer_activations, summarize
@@ -32,7 +32,7 @@ from mcore_offload.plan.hardware import (
     transfer_timing,
 )
 from mcore_offload.plan.model import ModelSpec, ParallelLayout, PlanError, TrainingSpec, validate
-from mcore_offload.plan.peak import RankTimeline, chunk_layers, rank_timeline
+from mcore_offload.plan.peak import ChunkLayers, RankTimeline, chunk_layers, rank_timeline
 from mcore_offload.plan.recommend import (
     MAX_EXPOSED,
     LayerCost,
@@ -223,9 +223,18 @@ def build_plan(config: PlanConfig) -> Plan:
     final_norm = 2 * tokens * model.hidden_size // layout.seq_shards * training.dtype_bytes
     logits = [tokens * vocab // layout.tp * (training.dtype_bytes + 4) + final_norm if r == last else 0
               for r in range(layout.pp)]
+    # the embedding's dropout keeps a one-byte mask of its output on the first stage (planner-census-session56, E8)
+    embedding_mask = tokens * model.hidden_size // layout.seq_shards if training.hidden_dropout > 0 else 0
+
+    def rank_chunks(r: int, chunks: tuple[range, ...]) -> list[ChunkLayers]:
+        out = [chunk_layers([layers[kind(i)] for i in rng]) for rng in chunks]
+        if r == 0 and embedding_mask and out[0].saved_bytes:
+            first = out[0]
+            out[0] = replace(first, saved_bytes=(first.saved_bytes[0] + embedding_mask, *first.saved_bytes[1:]))
+        return out
+
     timelines = tuple(
-        rank_timeline(r, layout.pp, [chunk_layers([layers[kind(i)] for i in rng]) for rng in chunks],
-                      training.num_microbatches, logits[r],
+        rank_timeline(r, layout.pp, rank_chunks(r, chunks), training.num_microbatches, logits[r],
                       tokens * vocab // layout.tp * 4 + final_norm if r == last else 0)
         for r, chunks in enumerate(assignment))
     baseline = [t.baseline_bytes for t in timelines]
