@@ -53,7 +53,7 @@ from mcore_offload.plan.schedule import kept_forwards, pipeline_order
 #: vocabulary: its offloaded peak falls in that backward, 30 MiB below the forward end). Since session 56 the
 #: forward end also holds the final norm's tensors and unfused RoPE's cos and sin: every validation row
 #: (tests/test_plan_validation.py) holds from 1.225 to 1.35, and D's first stage, which peaks in a backward,
-#: is within 0.7 % of its measured no-offload peak there (tests/test_plan.py).
+#: is within 0.7 % of its measured no-offload peak there (tests/test_plan_measurements.py).
 BACKWARD_WORKING_SET = 1.25
 
 #: The order in which a layer's groups commit in forward (the norms commit after their residual add).
