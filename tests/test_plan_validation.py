@@ -119,7 +119,6 @@ def load_predicted_measurements() -> list[Measurement]:
         doc = json.loads((RESULTS / path).read_text())
         row = doc["ranks"][0]
         plain = json.loads((RESULTS / base).read_text())["ranks"][0]
-        assert row["loss_hex"] == plain["loss_hex"], path  # offloading changed no number
         offloaded = {p: v["offloaded"] for p, v in row["offload"]["last_step"].items()}
         out.append(Measurement(label, tuple(doc["args"]["offload_modules"]), 0,
                                plain["peak_bytes_step1"] - row["peak_bytes_step1"],
@@ -280,6 +279,14 @@ def test_off_device_bytes_at_the_peak_within_10_percent(m):
     assert meas is not None
     assert abs(error(pred, meas)) <= DELTA_PEAK_TOLERANCE, \
         f"off-device bytes at the peak off by more than {DELTA_PEAK_TOLERANCE:.0%}\n{table(m)}"
+
+
+@pytest.mark.parametrize("path, base", [(path, base) for path, base, _ in PREDICTED_RUNS])
+def test_predicted_runs_kept_the_loss_bitwise(path, base):
+    """The offloaded runs of planner-census-session56 against their twins without offloading: every step's loss."""
+    row = json.loads((RESULTS / path).read_text())["ranks"][0]
+    plain = json.loads((RESULTS / base).read_text())["ranks"][0]
+    assert len(row["loss_hex"]) == 3 and row["loss_hex"] == plain["loss_hex"]
 
 
 def markdown() -> str:

@@ -39,11 +39,12 @@ dropout masks          2*T*h/d bytes       none; only with --hidden-dropout > 0 
                                            T*a*s/t bytes inside ``core_attn``
 =====================  ==================  ============================================================
 
-The last two were found by the allocator census of benchmarks/results/planner-census-session56 (config C: the
-expert output, 64 MiB a layer, is the 512 MiB between the deterministic and the plain run's peak).
+The rows after "MoE: act output" were found by the allocator census and the predicted runs of
+benchmarks/results/planner-census-session56 (config C: the expert output, 64 MiB a layer, is the 512 MiB between
+the deterministic and the plain run's peak).
 
-This is Korthikanti et al. 2022 (sbh(34 + 5as/h)) adapted: flash attention removes the s^2 terms, no
-dropout masks, fused norms, a SwiGLU MLP keeps its fc1 output (2f) and activation output (f). The local spec
+This is Korthikanti et al. 2022 (sbh(34 + 5as/h)) adapted: flash attention removes the s^2 terms, dropout
+masks only as above, fused norms, a SwiGLU MLP keeps its fc1 output (2f) and activation output (f). The local spec
 (unfused attention) adds the attention probabilities ``T*a*s/t`` to ``core_attn``; its separate norms keep
 their inputs (``attn_norm``: the layer input, ``mlp_norm``: the MLP input), and its linears their inputs
 (``qkv_linear``: the norm output). Local-spec estimates are not validated on a GPU. A norm recomputed with

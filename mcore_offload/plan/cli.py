@@ -30,6 +30,7 @@ DEFAULT_MICROBATCHES_PER_STAGE = 4
 #: Megatron-LM's default --hidden-dropout and --attention-dropout
 MEGATRON_LM_DROPOUT = 0.1
 
+
 def _model_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model (Megatron-LM flags; they override a preset's values)")
     g.add_argument("--preset", help=f"start from a public architecture: {', '.join(preset_names())}")

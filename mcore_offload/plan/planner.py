@@ -49,8 +49,9 @@ GIB = 2**30
 MIB = 2**20
 #: One cuBLAS workspace on sm90+ GPUs (every GPU in plan.hardware). A process takes them once from PyTorch's caching
 #: allocator: PyTorch one per (handle, stream), of which training uses two (the forward's thread and autograd's
-#: backward thread); TE one for its GEMMs; TE's grouped-GEMM experts four more (its multi-stream GEMMs). Measured by
-#: the allocator census of benchmarks/results/planner-census-session56: 96 MiB on config A, 224 MiB on config C.
+#: backward thread); TE one for its GEMMs; TE's grouped-GEMM experts four more (its multi-stream GEMMs; MoE layers
+#: are taken to use --moe-grouped-gemm, as every measured run did). Measured by the allocator census of
+#: benchmarks/results/planner-census-session56: 96 MiB on config A, 224 MiB on config C.
 CUBLAS_WORKSPACE_BYTES = 32 * MIB
 TE_GROUPED_GEMM_STREAMS = 4
 ATTENTION_SET = ("qkv_linear", "core_attn", "attn_proj")
