@@ -35,6 +35,11 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     a("--bf16", action="store_true")
     a("--hidden-dropout", type=float, default=0.0, help="0 unless asked (Megatron-LM's default is 0.1)")
     a("--attention-dropout", type=float, default=0.0, help="0 unless asked (Megatron-LM's default is 0.1)")
+    # off unless asked, as megatron-core's TransformerConfig leaves them (Megatron-LM turns RoPE fusion on; its
+    # --no-rope-fusion turns it off): every earlier session's runs used the unfused paths
+    a("--rope-fusion", action="store_true", help="TE's fused RoPE (apply_rope_fusion; Megatron-LM's default)")
+    a("--fused-single-qkv-rope", action="store_true", help="one fused kernel splits the QKV output and rotates q, k")
+    a("--moe-permute-fusion", action="store_true", help="TE's fused MoE token (un)permutation")
     a("--recompute-granularity", default=None, choices=["full", "selective"])
     a("--recompute-modules", nargs="*", default=None)
     a("--fp8", default=None, choices=["e4m3", "hybrid"], help="TransformerEngine FP8 (GPU)")

@@ -7,7 +7,7 @@ set -u
 k=${1:?give the call number, 1 to 10}
 here=benchmarks/results/issue5-session55
 case "$k" in [1-9] | 10) ;; *) echo "call number $k is not one of the design's 1 to 10" >&2; exit 2 ;; esac
-if ! sha1sum mcore_offload/runtime/*.py mcore_offload/runtime/native/* benchmarks/pretrain_gpt.py \
+if ! sha1sum mcore_offload/runtime/*.py mcore_offload/runtime/native/* benchmarks/pretrain_gpt.py benchmarks/pretrain_model.py \
     benchmarks/offload_stop.py | diff -q - "$here/design-tree.sha1" > /dev/null; then
   echo "this tree's runtime differs from $here/design-tree.sha1: not a call of the design" >&2
   exit 3
