@@ -153,7 +153,12 @@ def plan_argv(args: dict) -> list[str]:
         argv.append("--bf16")
     if args.get("deterministic"):  # pretrain_gpt.py's --deterministic: torch's deterministic algorithms
         argv.append("--deterministic-mode")
-    argv.append("--no-rope-fusion")  # pretrain_gpt.py keeps TransformerConfig's apply_rope_fusion=False
+    if not args.get("rope_fusion"):  # pretrain_gpt.py keeps TransformerConfig's apply_rope_fusion=False unless asked
+        argv.append("--no-rope-fusion")
+    if args["transformer_impl"] == "local":  # pretrain_gpt.py: learned absolute positions, masked_softmax_fusion=False
+        argv += ["--position-embedding-type", "learned_absolute", "--no-masked-softmax-fusion"]
+    if args.get("moe_permute_fusion"):
+        argv.append("--moe-permute-fusion")
     for key in ("hidden_dropout", "attention_dropout"):  # pretrain_gpt.py: 0 unless asked (no flag before s56)
         argv += [f"--{key.replace('_', '-')}", str(args.get(key) or 0.0)]
     # pretrain_gpt.py: gated_linear_unit (SwiGLU) with the TE spec, share_embeddings_and_output_weights=False

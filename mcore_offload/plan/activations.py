@@ -35,8 +35,7 @@ rotated q and k        T*(q + kv)/t        none; only with core_attn recomputed 
                                            and v, a view that keeps the whole q, k, v storage)
 dropout masks          2*T*h/d bytes       none; only with --hidden-dropout > 0 (the two residual adds';
                                            one byte an element; the first stage keeps the embedding's
-                                           too, planner.py); the local spec's attention dropout keeps
-                                           T*a*s/t bytes inside ``core_attn``
+                                           too, planner.py); the local spec's attention dropout: below
 =====================  ==================  ============================================================
 
 The rows after "MoE: act output" were found by the allocator census and the predicted runs of
@@ -45,12 +44,17 @@ the deterministic and the plain run's peak).
 
 This is Korthikanti et al. 2022 (sbh(34 + 5as/h)) adapted: flash attention removes the s^2 terms, dropout
 masks only as above, fused norms, a SwiGLU MLP keeps its fc1 output (2f) and activation output (f). The local spec
-(unfused attention) adds the attention probabilities ``T*a*s/t`` to ``core_attn``; its separate norms keep
+(unfused attention) adds the attention probabilities ``T*a*s/t`` to ``core_attn``, in bytes an element (16-bit
+training): 2 with the fused softmax kernel, 5 with attention dropout too (its one-byte mask and the dropped
+probabilities); 6 without the kernel (``--no-masked-softmax-fusion``: PyTorch's softmax keeps its fp32 output,
+the context matmul the 16-bit cast), 7 with dropout (fp32 output, mask, dropped). Its separate norms keep
 their inputs (``attn_norm``: the layer input, ``mlp_norm``: the MLP input), and its linears their inputs
 (``qkv_linear``: the norm output). Local-spec estimates are not validated on a GPU. A norm recomputed with
 ``--recompute-modules layernorm`` still keeps its input (the checkpoint saves it) and discards its output; its
 point is refused then (as is ``moe_act`` under moe_act recompute): offloading's hooks around a
-``CheckpointWithoutOutput`` lose the checkpoint's input gradient.
+``CheckpointWithoutOutput`` lose the checkpoint's input gradient. Local-spec attention also holds, from the
+first step on, the global buffer its scores are computed into and (unfused softmax) a cached causal mask:
+``workspace_bytes`` in planner.py.
 """
 
 from __future__ import annotations
@@ -194,17 +198,13 @@ def _attention(b: _Builder, model: ModelSpec, layout: ParallelLayout, training: 
         if te:
             core_extra = (b.keep("softmax statistics (fp32)", tokens * model.num_attention_heads / t, FP32),)
         else:
-            core_extra = (b.keep("attention probabilities",
-                                 tokens * model.num_attention_heads * training.seq_length / t),)
-            if training.attention_dropout > 0:
-                core_extra += (b.keep("attention dropout mask (one byte an element)",
-                                      tokens * model.num_attention_heads * training.seq_length / t, itemsize=1),)
+            core_extra = _local_probabilities(b, training, tokens * model.num_attention_heads * training.seq_length / t)
     out = b.keep("attention output", tokens * model.q_dim / t)
     if "core_attn" in recomputed:
         # The checkpoint saves its inputs: RoPE's fresh q and k, and v, a view that keeps the whole QKV output
         # (benchmarks/results/planner-census-session56, E4: 80 MiB a layer where 48 were counted).
         b.keep("rotated q and k (the core-attention checkpoint's inputs)", tokens * (model.q_dim + model.kv_dim) / t)
-    if not training.rope_fusion:  # megatron-core's unfused RoPE multiplies q and k by fresh cos and sin tensors
+    if model.rope and not training.rope_fusion:  # unfused RoPE multiplies q and k by fresh cos and sin tensors
         b.keep("RoPE cos and sin (unfused)", 4 * training.seq_length * model.head_dim)
 
     measured = te and t == 1  # TE spec, TP=1: benchmarks/results/issue4-* (tests/test_plan_validation.py)
@@ -230,6 +230,24 @@ def _attention(b: _Builder, model: ModelSpec, layout: ParallelLayout, training: 
     if "core_attn" in recomputed:
         note = "attention output, held only by the projection since core attention is recomputed"
     b.point("attn_proj", (out,), note, measured and "core_attn" not in recomputed)
+
+
+def _local_probabilities(b: _Builder, training: TrainingSpec, elements: float) -> tuple[Storage, ...]:
+    """What megatron-core's local DotProductAttention keeps of its s^2 probabilities (``elements``) a layer."""
+    # Without the fused kernel, FusedScaleMaskSoftmax's PyTorch path softmaxes a fp32 copy of 16-bit scores
+    # (attention_softmax_in_fp32) and nn.Softmax keeps that fp32 output for its backward.
+    fp32_softmax = training.dtype_bytes == 2 and not training.masked_softmax_fusion
+    kept = (b.keep("attention probabilities in fp32 (PyTorch softmax's output)", elements, FP32),) \
+        if fp32_softmax else ()
+    if training.attention_dropout > 0:
+        # dropout keeps its mask; the context matmul keeps the dropped probabilities, not the softmax's output
+        kept += (b.keep("attention dropout mask (one byte an element)", elements, itemsize=1),
+                 b.keep("dropped attention probabilities (the context matmul's input)", elements))
+        if not fp32_softmax:  # the fused kernel (or a 32-bit softmax) keeps its own output
+            kept += (b.keep("attention probabilities (the softmax's output)", elements),)
+    else:  # the softmax's output (or its 16-bit cast) is the context matmul's input
+        kept += (b.keep("attention probabilities", elements),)
+    return kept
 
 
 def _dense_mlp(b: _Builder, model: ModelSpec, layout: ParallelLayout, training: TrainingSpec, tokens: int) -> None:

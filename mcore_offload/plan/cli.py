@@ -12,6 +12,7 @@ import sys
 from mcore_offload.config import DEFAULT_MIN_OFFLOADED_TENSOR_SIZE, OFFLOAD_MODULES
 from mcore_offload.plan.hardware import get_hardware, gpu_names
 from mcore_offload.plan.model import (
+    POSITION_EMBEDDING_TYPES,
     ModelSpec,
     ParallelLayout,
     PlanError,
@@ -43,6 +44,10 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-layer-freq", default=None, help="1, k (every k-th layer), or e.g. '([0]*3+[1]*58)'")
     g.add_argument("--swiglu", action="store_true", default=None, help="gated SwiGLU MLP (presets set it)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
+    g.add_argument("--position-embedding-type", choices=POSITION_EMBEDDING_TYPES, default=None,
+                   help="default rope (every preset's; Megatron-LM's own default is learned_absolute)")
+    g.add_argument("--max-position-embeddings", type=int, default=None,
+                   help="learned_absolute's table length (default the sequence length)")
 
 
 def _layout_flags(p: argparse.ArgumentParser) -> None:
@@ -80,6 +85,8 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-permute-fusion", action="store_true", help="TE's fused MoE (un)permutation")
     g.add_argument("--no-rope-fusion", dest="rope_fusion", action="store_false",
                    help="unfused RoPE: every layer keeps its cos and sin")
+    g.add_argument("--no-masked-softmax-fusion", dest="masked_softmax_fusion", action="store_false",
+                   help="local spec: PyTorch's softmax, in fp32, whose output every layer keeps")
     for flag in ("--hidden-dropout", "--attention-dropout"):
         g.add_argument(flag, type=float, default=None,
                        help="default Megatron-LM's 0.1, or 0 with a preset (their recipes train without dropout)")
@@ -120,7 +127,8 @@ def _model(args: argparse.Namespace) -> ModelSpec:
                      num_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
                      moe_ffn_hidden_size=args.moe_ffn_hidden_size,
                      moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
-                     moe_layer_freq=freq)
+                     moe_layer_freq=freq, position_embedding_type=args.position_embedding_type,
+                     max_position_embeddings=args.max_position_embeddings)
     if args.preset is not None:
         return with_overrides(get_preset(args.preset), **overrides)
     missing = [f for f, v in (("--num-layers", args.num_layers), ("--hidden-size", args.hidden_size),
@@ -192,7 +200,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[PlanConfig, list[str]]:
                             offload_modules=tuple(args.offload_modules),
                             min_offloaded_tensor_size=args.min_offloaded_tensor_size,
                             deterministic=args.deterministic_mode, moe_permute_fusion=args.moe_permute_fusion,
-                            rope_fusion=args.rope_fusion,
+                            rope_fusion=args.rope_fusion, masked_softmax_fusion=args.masked_softmax_fusion,
                             hidden_dropout=_dropout(args.hidden_dropout, args.preset),
                             attention_dropout=_dropout(args.attention_dropout, args.preset))
     hw = get_hardware(args.gpu, args.link_gbps, args.link_both_gbps, args.tflops)

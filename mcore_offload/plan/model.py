@@ -25,6 +25,8 @@ RECOMPUTE_MODULES: tuple[str, ...] = ("core_attn", "moe_act", "layernorm", "mla_
                                       "shared_experts")
 DTYPE_BYTES: Mapping[str, int] = types.MappingProxyType({"bf16": 2, "fp16": 2, "fp32": 4})
 TRANSFORMER_IMPLS: tuple[str, ...] = ("transformer_engine", "local")
+#: Megatron-LM's --position-embedding-type values the planner models (learned_absolute adds a weight table)
+POSITION_EMBEDDING_TYPES: tuple[str, ...] = ("rope", "learned_absolute", "none")
 
 
 class PlanError(ValueError):
@@ -50,6 +52,9 @@ class ModelSpec:
     moe_ffn_hidden_size: int | None = None
     moe_shared_expert_intermediate_size: int | None = None
     moe_layer_freq: int | tuple[int, ...] = 1
+    # RoPE, as every preset; Megatron-LM's own default is learned_absolute (its table is max positions x hidden)
+    position_embedding_type: str = "rope"
+    max_position_embeddings: int | None = None  # learned_absolute only; default the sequence length
     name: str = "custom"
 
     @property
@@ -67,6 +72,10 @@ class ModelSpec:
     @property
     def kv_dim(self) -> int:
         return self.query_groups * self.head_dim
+
+    @property
+    def rope(self) -> bool:
+        return self.position_embedding_type == "rope"
 
     @property
     def moe_ffn(self) -> int:
@@ -139,6 +148,9 @@ class TrainingSpec:
     deterministic: bool = False
     moe_permute_fusion: bool = False  # --moe-permute-fusion: TE's fused (un)permute, which keeps no such source
     rope_fusion: bool = True  # --no-rope-fusion: unfused RoPE keeps its cos and sin for q and k in every layer
+    # --no-masked-softmax-fusion: the local spec's attention then softmaxes in PyTorch, in fp32 for 16-bit training,
+    # and keeps those fp32 probabilities too
+    masked_softmax_fusion: bool = True
     # --hidden-dropout / --attention-dropout (the CLI takes Megatron-LM's 0.1 without a preset): a dropout keeps a
     # one-byte mask of what it drops; TE's flash/fused attention keeps its RNG state instead
     hidden_dropout: float = 0.0

@@ -150,6 +150,8 @@ def _static_bytes(config: PlanConfig, rank: int, chunks: tuple[range, ...], moe_
     embedding = padded_vocab(model, layout) * model.hidden_size // layout.tp
     if rank == 0:
         params += embedding
+        if model.position_embedding_type == "learned_absolute":
+            params += (model.max_position_embeddings or config.training.seq_length) * model.hidden_size
     if rank == layout.pp - 1:
         # Tied weights still need a copy of the embedding on the last stage when PP > 1.
         params += model.hidden_size + (embedding if model.untie_embeddings_and_output_weights or layout.pp > 1
@@ -160,10 +162,17 @@ def _static_bytes(config: PlanConfig, rank: int, chunks: tuple[range, ...], moe_
 
 def workspace_bytes(config: PlanConfig, has_moe: bool) -> int:
     """What a rank holds besides weights and grads from its first step on: cuBLAS workspaces
-    (:data:`CUBLAS_WORKSPACE_BYTES`) and the rotary embedding's cached fp32 frequencies (seq x head_dim)."""
-    training = config.training
+    (:data:`CUBLAS_WORKSPACE_BYTES`) and, with RoPE, its cached fp32 frequencies (seq x head_dim); with the
+    local spec, the global buffer its attention scores are computed into (micro-batch x heads/TP x seq^2) and,
+    without the fused softmax, the cached causal mask (seq^2 bools)."""
+    training, model, layout = config.training, config.model, config.layout
     workspaces = 2 + (1 + (TE_GROUPED_GEMM_STREAMS if has_moe else 0) if training.te else 0)
-    return workspaces * CUBLAS_WORKSPACE_BYTES + training.seq_length * config.model.head_dim * 4
+    total = workspaces * CUBLAS_WORKSPACE_BYTES + (training.seq_length * model.head_dim * 4 if model.rope else 0)
+    if not training.te:
+        seq_squared = training.seq_length ** 2
+        total += training.micro_batch_size * model.num_attention_heads // layout.tp * seq_squared \
+            * training.dtype_bytes + (0 if training.masked_softmax_fusion else seq_squared)
+    return total
 
 
 def _offload_sets(layers: Mapping[str, LayerActivations], training: TrainingSpec,

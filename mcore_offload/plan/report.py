@@ -41,7 +41,9 @@ def _header(plan: Plan) -> list[str]:
         recompute += " " + ",".join(sorted(tr.recomputed))
     switches = "".join(f", {name}" for name, on in (("deterministic", tr.deterministic),
                                                      ("fused permute", tr.moe_permute_fusion and m.num_experts),
-                                                     ("unfused RoPE", not tr.rope_fusion),
+                                                     ("unfused RoPE", m.rope and not tr.rope_fusion),
+                                                     (f"{m.position_embedding_type} positions", not m.rope),
+                                                     ("unfused softmax", not tr.te and not tr.masked_softmax_fusion),
                                                      (f"hidden dropout {tr.hidden_dropout:g}", tr.hidden_dropout),
                                                      (f"attention dropout {tr.attention_dropout:g}",
                                                       tr.attention_dropout)) if on)
