@@ -86,5 +86,9 @@ def build_model(args, config) -> list[torch.nn.Module]:
             else "learned_absolute",
             vp_stage=stage))
     for c in chunks:
+        if torch.cuda.is_available():
+            # as Megatron-LM's get_model: megatron-core builds its own layers on the device, but a plain
+            # torch.nn.Embedding (the local spec's learned positions) starts on the CPU; a no-op for the rest
+            c.cuda(torch.cuda.current_device())
         c.train()
     return chunks

@@ -33,6 +33,9 @@ FUSED_RUNS = {
     "F2-dense-qkvrope-det": f"{A8} {COMMON} --rope-fusion --fused-single-qkv-rope --deterministic",
     # C with TE's fused permutation: unpermute keeps no expert output even under deterministic algorithms
     "F3-moe-fused-det": f"{MOE_C} {COMMON} --rope-fusion --moe-permute-fusion --deterministic",
+    # added after call 1, where F3 failed on this host (TE 2.9's Triton permute kernels and torch 2.11's Triton):
+    # C with the fused RoPE alone
+    "F6-moe-ropefusion-det": f"{MOE_C} {COMMON} --rope-fusion --deterministic",
     "F4-local-det": f"{LOCAL} --deterministic",
     # the local spec's attention dropout keeps a one-byte mask of the probabilities' size
     "F5-local-attndropout-det": f"{LOCAL} --attention-dropout 0.1 --deterministic",
@@ -44,6 +47,7 @@ OFFLOADED_RUNS = {
     "P1-dense-ropefusion-attn-det": ("F1-dense-ropefusion-det", ATTENTION),
     "P2-dense-qkvrope-attn-det": ("F2-dense-qkvrope-det", ATTENTION),
     "P3-moe-fused-all5-det": ("F3-moe-fused-det", f"{ATTENTION} expert_fc1 moe_act"),
+    "P6-moe-ropefusion-all5-det": ("F6-moe-ropefusion-det", f"{ATTENTION} expert_fc1 moe_act"),
     "P4-local-dense5-det": ("F4-local-det", f"attn_norm {ATTENTION} mlp_norm"),
     "P5-local-attndropout-core-det": ("F5-local-attndropout-det", "core_attn"),
 }
