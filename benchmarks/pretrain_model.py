@@ -86,13 +86,13 @@ def build_model(args, config) -> list[torch.nn.Module]:
             else "learned_absolute",
             vp_stage=stage))
     for c in chunks:
-        if torch.cuda.is_available():
-            # as Megatron-LM's get_model: megatron-core builds its own layers on the device, but a plain
-            # torch.nn.Embedding (the local spec's learned positions) starts on the CPU; a no-op for the rest
-            c.cuda(torch.cuda.current_device())
-        if args.bf16 and args.transformer_impl == "local":
-            # Megatron-LM's Float16Module: the local spec's torch norms and position table start in fp32. The TE
-            # path already builds in params_dtype and stays as every earlier session ran it.
-            c.bfloat16()
+        if args.transformer_impl == "local":
+            # What Megatron-LM's get_model and Float16Module do: the local spec's plain torch modules (learned
+            # position table, norms) start on the CPU in fp32. The TE path is built on the device in params_dtype
+            # and stays exactly as every earlier session ran it.
+            if torch.cuda.is_available():
+                c.cuda(torch.cuda.current_device())
+            if args.bf16:
+                c.bfloat16()
         c.train()
     return chunks

@@ -291,10 +291,14 @@ def test_plan_refuses_what_a_run_would_refuse_under_recompute(capsys, recompute,
     assert f"offload_modules has '{point}', but selective recompute of '{recompute}'" in capsys.readouterr().err
 
 
-def test_local_spec_norm_estimates_are_marked_unvalidated():
+def test_local_spec_estimates_are_validated_at_tp1_only():
+    """benchmarks/results/planner-fused-paths-session57 checked the local spec's bytes at TP = 1."""
     acts = layer_activations(DENSE, ParallelLayout(), training(transformer_impl="local"), moe=False)
-    assert acts.points["attn_norm"].offloaded_bytes == 16 * MIB and not acts.points["attn_norm"].validated
+    assert acts.points["attn_norm"].offloaded_bytes == 16 * MIB and acts.points["attn_norm"].validated
     assert acts.points["core_attn"].offloaded_bytes > 48 * MIB  # the s^2 attention probabilities
+    tp2 = layer_activations(DENSE, ParallelLayout(tensor_model_parallel_size=2), training(transformer_impl="local"),
+                            moe=False)
+    assert not any(tp2.points[m].validated for m in ("attn_norm", "qkv_linear", "core_attn", "mlp_norm"))
 
 
 # ---- transfer against compute and the recommendation ---------------------------------------------------------

@@ -9,7 +9,10 @@ The fixtures are the committed results (read, never written):
   PP = 2 x VPP = 2, 8 microbatches;
 * ``benchmarks/results/planner-census-session56/runs4``, ``runs5``: 1 x H200, GQA, selective recompute, a top-2
   MoE at micro-batch 2 and hidden dropout with offloading, whose numbers were predicted before they ran; Δpeak
-  against the same run without offloading (``runs2``, ``runs3``, ``runs5``).
+  against the same run without offloading (``runs2``, ``runs3``, ``runs5``);
+* ``benchmarks/results/planner-fused-paths-session57/call1``, ``call3``: 1 x H200, TE's fused RoPE and fused
+  QKV RoPE (A's model at 8 layers, attention set) and C with fused RoPE (all five), predicted before they ran
+  (the local spec's runs there: tests/test_plan_measurements.py).
 
 Those ran the runtime before its second look (commit 0055084, ``runtime/second_look.py``) and are checked against
 ``RankTimeline.without_second_look()``. ``benchmarks/results/issue5-session39/runs/da3`` (2 x H200, D-dense with
@@ -48,16 +51,24 @@ DELTA_PEAK_TOLERANCE = 0.10
 MIB = 2**20
 #: Runs of the runtime with the second look (benchmarks/pretrain_gpt.py --alternate-offload JSONs), config label.
 SECOND_LOOK_RUNS = (("issue5-session39/runs/da3/alt_attn-none-1.json", "D-dense"),)
-#: Offloaded runs whose numbers were predicted before they ran (session 56, 1 x H200; predict_offload.py there):
-#: (the offloaded run, the same run without offloading, label).
+#: Offloaded runs whose numbers were predicted before they ran (sessions 56 and 57, 1 x H200; predict_offload.py and
+#: predict.py there): (the offloaded run, the same run without offloading, label, session).
+S56, S57 = "planner-census-session56", "planner-fused-paths-session57"
 PREDICTED_RUNS = tuple(
-    (f"planner-census-session56/{run}.json", f"planner-census-session56/{base}.json", label)
-    for run, base, label in (
-        ("runs4/O1-gqa-attn-det", "runs2/E1-gqa-det", "GQA"),
-        ("runs4/O2-gqa-recompute-qkv-proj-det", "runs3/E5-gqa-recompute-det", "GQA, core_attn recomputed"),
-        ("runs4/O3-moe-mbs2-experts-det", "runs2/E2-moe-mbs2-det", "MoE top-2, mbs 2"),
-        ("runs4/O4-moe-recompute-fc1-det", "runs3/E7-moe-act-norm-recompute-det", "C, moe_act + layernorm recomputed"),
-        ("runs5/O5-dense-dropout-attn-det", "runs5/E8-dense-dropout-det", "A at 8 layers, hidden dropout 0.1")))
+    (f"{folder}/{run}.json", f"{folder}/{base}.json", label, source)
+    for folder, source, runs in (
+        (S56, "s56", (
+            ("runs4/O1-gqa-attn-det", "runs2/E1-gqa-det", "GQA"),
+            ("runs4/O2-gqa-recompute-qkv-proj-det", "runs3/E5-gqa-recompute-det", "GQA, core_attn recomputed"),
+            ("runs4/O3-moe-mbs2-experts-det", "runs2/E2-moe-mbs2-det", "MoE top-2, mbs 2"),
+            ("runs4/O4-moe-recompute-fc1-det", "runs3/E7-moe-act-norm-recompute-det",
+             "C, moe_act + layernorm recomputed"),
+            ("runs5/O5-dense-dropout-attn-det", "runs5/E8-dense-dropout-det", "A at 8 layers, hidden dropout 0.1"))),
+        (S57, "s57", (
+            ("call1/P1-dense-ropefusion-attn-det", "call1/F1-dense-ropefusion-det", "A at 8 layers, fused RoPE"),
+            ("call1/P2-dense-qkvrope-attn-det", "call1/F2-dense-qkvrope-det", "A at 8 layers, fused QKV RoPE"),
+            ("call3/P6-moe-ropefusion-all5-det", "call3/F6-moe-ropefusion-det", "C, fused RoPE"))))
+    for run, base, label in runs)
 
 
 @dataclass(frozen=True)
@@ -115,14 +126,14 @@ def load_second_look_measurements() -> list[Measurement]:
 
 def load_predicted_measurements() -> list[Measurement]:
     out = []
-    for path, base, label in PREDICTED_RUNS:
+    for path, base, label, source in PREDICTED_RUNS:
         doc = json.loads((RESULTS / path).read_text())
         row = doc["ranks"][0]
         plain = json.loads((RESULTS / base).read_text())["ranks"][0]
         offloaded = {p: v["offloaded"] for p, v in row["offload"]["last_step"].items()}
         out.append(Measurement(label, tuple(doc["args"]["offload_modules"]), 0,
                                plain["peak_bytes_step1"] - row["peak_bytes_step1"],
-                               row["offload"]["off_device_at_peak_bytes"], offloaded, doc["args"], True, "s56",
+                               row["offload"]["off_device_at_peak_bytes"], offloaded, doc["args"], True, source,
                                "predicted before it ran"))
     return out
 
@@ -286,7 +297,7 @@ def test_off_device_bytes_at_the_peak_within_10_percent(m):
         f"off-device bytes at the peak off by more than {DELTA_PEAK_TOLERANCE:.0%}\n{table(m)}"
 
 
-@pytest.mark.parametrize("path, base", [(path, base) for path, base, _ in PREDICTED_RUNS])
+@pytest.mark.parametrize("path, base", [(path, base) for path, base, _, _ in PREDICTED_RUNS])
 def test_predicted_runs_kept_the_loss_bitwise(path, base):
     """The offloaded runs of planner-census-session56 against their twins without offloading: every step's loss."""
     row = json.loads((RESULTS / path).read_text())["ranks"][0]

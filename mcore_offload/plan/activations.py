@@ -49,7 +49,8 @@ training): 2 with the fused softmax kernel, 5 with attention dropout too (its on
 probabilities); 6 without the kernel (``--no-masked-softmax-fusion``: PyTorch's softmax keeps its fp32 output,
 the context matmul the 16-bit cast), 7 with dropout (fp32 output, mask, dropped). Its separate norms keep
 their inputs (``attn_norm``: the layer input, ``mlp_norm``: the MLP input), and its linears their inputs
-(``qkv_linear``: the norm output). Local-spec estimates are not validated on a GPU. A norm recomputed with
+(``qkv_linear``: the norm output). Local-spec bytes were checked on a GPU at TP = 1 and seq 2048
+(benchmarks/results/planner-fused-paths-session57: exact); its peaks came out 1.7-5 % high. A norm recomputed with
 ``--recompute-modules layernorm`` still keeps its input (the checkpoint saves it) and discards its output; its
 point is refused then (as is ``moe_act`` under moe_act recompute): offloading's hooks around a
 ``CheckpointWithoutOutput`` lose the checkpoint's input gradient. Local-spec attention also holds, from the
@@ -207,9 +208,11 @@ def _attention(b: _Builder, model: ModelSpec, layout: ParallelLayout, training: 
     if model.rope and not training.rope_fusion:  # unfused RoPE multiplies q and k by fresh cos and sin tensors
         b.keep("RoPE cos and sin (unfused)", 4 * training.seq_length * model.head_dim)
 
-    measured = te and t == 1  # TE spec, TP=1: benchmarks/results/issue4-* (tests/test_plan_validation.py)
+    # TP=1: the TE spec in benchmarks/results/issue4-* (tests/test_plan_validation.py), the local spec's dense
+    # points in planner-fused-paths-session57 (bytes exact; tests/test_plan_measurements.py)
+    measured = t == 1
     held = "; held elsewhere in a chunk's first layer"
-    _norm_point(b, "attn_norm", layer_in, te, "the norm's saved input (the layer input" + held + ")", False,
+    _norm_point(b, "attn_norm", layer_in, te, "the norm's saved input (the layer input" + held + ")", measured,
                 "layernorm" in recomputed)
     shard = " (local sequence shard)" if layout.sp else ""
     if te and norm_out is not None:
@@ -264,7 +267,8 @@ def _dense_mlp(b: _Builder, model: ModelSpec, layout: ParallelLayout, training: 
     else:
         b.keep("fc1 output", tokens * gate * model.ffn_hidden_size / t)
         b.keep("activation output", tokens * model.ffn_hidden_size / t)
-    _norm_point(b, "mlp_norm", mlp_in, te, "the norm's saved input (the MLP input)", False, "layernorm" in recomputed)
+    _norm_point(b, "mlp_norm", mlp_in, te, "the norm's saved input (the MLP input)", not te and layout.tp == 1,
+                "layernorm" in recomputed)
 
 
 def routed_rows(model: ModelSpec, layout: ParallelLayout, training: TrainingSpec) -> int:

@@ -291,13 +291,16 @@ def _warnings(config: PlanConfig, layers: Mapping[str, LayerActivations], sets: 
     requested = next((s for s in sets if s.label == "requested"), None)
     if requested is not None and not requested.hidden:
         out.append(f"the requested set leaves {requested.exposed_fraction:.1%} of compute exposed "
-                   f"(budget {config.max_exposed:.0%})")
+                   f"(budget {config.max_exposed:.0%}); its peak reduction assumes the copies keep up with the "
+                   "forward, an upper bound where they trail it (docs/plan.md)")
     if layout.sequence_parallel and layout.tp == 1:
         out.append("--sequence-parallel has no effect with TP=1 (Megatron-LM turns it off)")
     if training.recompute_modules and training.recompute_granularity != "selective":
         out.append("--recompute-modules only applies with --recompute-granularity selective")
     if not training.te:
-        out.append("local spec: norm and unfused-attention estimates are not validated on a GPU")
+        out.append("local spec: bytes per point validated at TP = 1 only; its backward working set is TE's "
+                   "(peaks came out 1.7-5 % high), and the s^2 probabilities can outrun the link: a set whose "
+                   "copies trail the forward lowers the peak by less than projected (docs/plan.md)")
     if model.num_experts:
         out.append("MoE bytes assume balanced routing: each rank's experts receive seq x mbs x topk / d x ETP rows; "
                    "MoE peaks are validated at TP = EP = 1 only (docs/plan.md)")

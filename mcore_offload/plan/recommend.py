@@ -127,7 +127,8 @@ def recommend(costs: Mapping[str, LayerCost], link: LinkSpeed, demands: Sequence
     if exposed_enough:
         best = min(exposed_enough, key=lambda s: (s[1], sum(s[2])))
         return _result(best, True, f"meets the memory target, but only with {best[1]:.1%} of compute exposed "
-                                   "(no hidden set is enough)")
+                                   "(no hidden set is enough; copies that trail the forward lower the peak by "
+                                   "less than projected)")
     pool = hidden or scored
     best = max(pool, key=lambda s: (sum(s[2]), -s[1]))
     return _result(best, False, "no set reaches the memory target; this one frees the most"
