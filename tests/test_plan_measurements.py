@@ -125,7 +125,9 @@ def test_local_spec_bytes_exact_and_peak_an_upper_bound(plain, offloaded):
     plan = _plan_of(off_args)
     modules = tuple(off_args["offload_modules"])
     timeline = plan.timelines[0]
-    measured_points = {p: v["offloaded"] for p, v in row["offload"]["last_step"].items()}
+    import test_plan_validation as validation
+
+    measured_points = validation.offloaded_by_point(row)
     predicted_points = dict(timeline.offloaded_per_step(modules))
     if "attn_proj" in predicted_points and not measured_points.get("attn_proj"):
         predicted_points["core_attn"] += predicted_points.pop("attn_proj")  # counted under core_attn

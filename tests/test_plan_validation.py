@@ -111,15 +111,19 @@ def load_measurements() -> list[Measurement]:
     return out
 
 
+def offloaded_by_point(rank_row: dict) -> dict[str, int]:
+    """Per point, the bytes the runtime offloaded in the last step (a pretrain_gpt.py JSON's rank row)."""
+    return {point: counts["offloaded"] for point, counts in rank_row["offload"]["last_step"].items()}
+
+
 def load_second_look_measurements() -> list[Measurement]:
     out = []
     for path, config in SECOND_LOOK_RUNS:
         doc = json.loads((RESULTS / path).read_text())
         args = doc["args"]
         for rank in doc["ranks"]:
-            offloaded = {p: v["offloaded"] for p, v in rank["offload"]["last_step"].items()}
             out.append(Measurement(config, tuple(args["offload_modules"]), rank["rank"],
-                                   rank["alternation"]["delta_peak_bytes"], None, offloaded, args, True,
+                                   rank["alternation"]["delta_peak_bytes"], None, offloaded_by_point(rank), args, True,
                                    path.split("/")[0].removeprefix("issue5-").replace("session", "s")))
     return out
 
@@ -130,10 +134,10 @@ def load_predicted_measurements() -> list[Measurement]:
         doc = json.loads((RESULTS / path).read_text())
         row = doc["ranks"][0]
         plain = json.loads((RESULTS / base).read_text())["ranks"][0]
-        offloaded = {p: v["offloaded"] for p, v in row["offload"]["last_step"].items()}
         out.append(Measurement(label, tuple(doc["args"]["offload_modules"]), 0,
                                plain["peak_bytes_step1"] - row["peak_bytes_step1"],
-                               row["offload"]["off_device_at_peak_bytes"], offloaded, doc["args"], True, source,
+                               row["offload"]["off_device_at_peak_bytes"], offloaded_by_point(row), doc["args"], True,
+                               source,
                                "predicted before it ran"))
     return out
 
