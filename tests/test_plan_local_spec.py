@@ -57,3 +57,17 @@ def test_local_spec_static_buffers_and_learned_positions():
     gained = build_plan(PlanConfig(learned, ParallelLayout(), local(), hw)).ranks[0].static_bytes - \
         build_plan(fused).ranks[0].static_bytes
     assert gained == SEQ * 2048 * 2 * 2 - rope_freqs
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-position-embeddings", "0"], "--max-position-embeddings must be a positive integer, got 0"),
+    (["--position-embedding-type", "learned_absolute", "--max-position-embeddings", "1024"],
+     "--max-position-embeddings (1024) is below --seq-length (2048)"),
+])
+def test_bad_position_table_is_one_sentence(capsys, argv, message):
+    from mcore_offload.cli import main
+
+    model = ["--num-layers", "4", "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length", "2048"]
+    assert main(["plan", *model, *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1

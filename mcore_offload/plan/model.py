@@ -291,8 +291,13 @@ def validate(model: ModelSpec, layout: ParallelLayout, training: TrainingSpec) -
                         ("--expert-model-parallel-size", layout.expert_model_parallel_size),
                         ("--expert-tensor-parallel-size", layout.expert_tensor_parallel_size),
                         ("--seq-length", training.seq_length), ("--micro-batch-size", training.micro_batch_size),
-                        ("--num-microbatches", training.num_microbatches)):
+                        ("--num-microbatches", training.num_microbatches),
+                        ("--max-position-embeddings", model.max_position_embeddings)):
         _positive(flag, value)
+    if model.position_embedding_type == "learned_absolute" and \
+            (model.max_position_embeddings or training.seq_length) < training.seq_length:
+        raise PlanError(f"--max-position-embeddings ({model.max_position_embeddings}) is below --seq-length "
+                        f"({training.seq_length}); the learned position table needs a row per position: raise it.")
     _validate_model(model, layout)
     _validate_pipeline(model, layout, training)
     _validate_training(model, layout, training)
