@@ -40,8 +40,9 @@ from mcore_offload.runtime.telemetry import LinkTelemetry  # noqa: E402
 logger = logging.getLogger("cpu_transport_glue")
 
 # Every entry point CudaRuntime binds, each returning success at once (events get distinct handles; every event is
-# complete when queried). Built with STUB_REAL_COPY, the copies are real (synchronous memcpy): tests run the raw
-# transport end to end on CPU tensors with it (tests/test_raw_transport_stub.py).
+# complete when queried, unless stub_busy is set: stub_set_busy). Built with STUB_REAL_COPY, the copies are real
+# (synchronous memcpy): tests run the raw transport end to end on CPU tensors with it
+# (tests/test_raw_transport_stub.py).
 # Built with STUB_LOG, it also logs every record, wait, query and copy in call order (stub_log: op, then up to five
 # arguments; tests/test_stream_order.py checks the hand-offs between streams from it).
 STUB_SOURCE = """
@@ -64,7 +65,9 @@ void stub_log_clear(void) { stub_log_n = 0; }
 #endif
 int cudaEventRecord(void* e, void* s) { stub_note(1, (long)e, (long)s, 0, 0, 0); return 0; }
 int cudaStreamWaitEvent(void* s, void* e, unsigned f) { stub_note(2, (long)s, (long)e, 0, 0, 0); return 0; }
-int cudaEventQuery(void* e) { stub_note(3, (long)e, 0, 0, 0, 0); return 0; }
+static int stub_busy = 0;  /* stub_set_busy(1): every event reads "not ready" (600), as behind a slow link */
+void stub_set_busy(int busy) { stub_busy = busy; }
+int cudaEventQuery(void* e) { stub_note(3, (long)e, 0, 0, 0, 0); return stub_busy ? 600 : 0; }
 int cudaMemcpyAsync(void* d, const void* s, unsigned long n, int k, void* st) {
   stub_note(4, (long)d, (long)s, (long)n, k, (long)st);
 #ifdef STUB_REAL_COPY
@@ -109,6 +112,11 @@ def stub_library(workdir: Path, real_copies: bool = False) -> str:
 
 
 STUB_OPS = {1: "record", 2: "wait", 3: "query", 4: "copy"}
+
+
+def stub_set_busy(rt: cudart.CudaRuntime, busy: bool) -> None:
+    """Make every event of the stub runtime ``rt`` read "not ready" when queried (``busy``), or complete."""
+    rt._lib.stub_set_busy(int(busy))
 
 
 def stub_calls(rt: cudart.CudaRuntime, clear: bool = True) -> list[tuple]:
@@ -156,6 +164,7 @@ def stub_transport(rt: cudart.CudaRuntime, device_index: int = 0, native: bool =
     t._d2h_fence, t._h2d_fence = cudart.RawEvent(rt, 8, []), cudart.RawEvent(rt, 9, [])
     t._d2h_handle, t._h2d_handle = 1, 2
     t._held, t._streams = collections.deque(), {}
+    t.d2h_in_flight = transport_module.d2h_in_flight_from_env()
     t.coalesce, t._slices_left, t._last_h2d_done = coalesce_reloads(), {}, None
     t._compute_handle = lambda: 3
     return t

@@ -191,6 +191,8 @@ class OffloadSummary:
             "host_buffer_allocations": sum(t.pool.allocations for t in transports),
             "host_buffer_allocations_per_step": [s.host_buffer_allocations for s in self.steps],
             "host_buffer_bytes": sum(t.pool.allocated_bytes for t in transports),
+            # MCORE_OFFLOAD_D2H_IN_FLIGHT: the compute stream's waits for copy-out bursts so far (0 when unbounded)
+            "d2h_in_flight_waits": sum(getattr(t, "in_flight_waits", 0) for t in transports),
             "per_step": self.link_series(),
         }
 

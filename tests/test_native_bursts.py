@@ -142,3 +142,70 @@ def test_the_burst_phase_clock_counts_bursts_and_copies_then_resets(native_stub_
     assert got["to_host"]["ns"]["copies"] > 0 and got["to_device"]["ns"]["alloc"] > 0
     assert got["to_host"]["ns"]["alloc"] == 0  # a copy-out allocates on the host, through the pool ("acquire")
     assert native.burst_timing(False)["to_host"]["bursts"] == 0  # read and reset
+
+
+def _bursts_behind_a_slow_link(t, rt, limit: int):
+    """Four copy-outs while no event completes (``limit``: MCORE_OFFLOAD_D2H_IN_FLIGHT), then a chunk's end; returns
+    what was held after each burst, the done events, the waits the compute stream (handle 3) made and the counter."""
+    t.d2h_in_flight = limit
+    t.telemetry.timing = False  # untimed: no marks, so the log holds only the hand-offs
+    cpu_transport_glue.stub_calls(rt)
+    cpu_transport_glue.stub_set_busy(rt, True)
+    try:
+        data = [torch.full((8,), i, dtype=torch.uint8) for i in range(4)]
+        held, dones = [], []
+        for d in data:
+            dones.append(t.to_host([d.untyped_storage()], [d], [None])[1])
+            held.append(len(t._held))
+        before_end = cpu_transport_glue.stub_calls(rt)
+        if limit:
+            t.release_copied(final=True)
+        end = cpu_transport_glue.stub_calls(rt)
+    finally:
+        cpu_transport_glue.stub_set_busy(rt, False)
+    waits = [c[2] for c in before_end if c[0] == "wait" and c[1] == 3]
+    end_waits = [c[2] for c in end if c[0] == "wait" and c[1] == 3]
+    return held, [e.handle for e in dones], waits, end_waits, len(t._held), t.in_flight_waits, before_end
+
+
+@pytest.mark.parametrize("use_cpp", [False, True])
+def test_a_bound_on_bursts_in_flight_makes_the_compute_stream_wait_for_the_oldest(native_stub_runtime, use_cpp):
+    """MCORE_OFFLOAD_D2H_IN_FLIGHT=2 behind a link that never catches up: from the third burst on, the compute stream
+    waits for the burst two back before the new one is queued, and the device blocks of that burst are let go; at a
+    chunk's end it waits for the newest, and nothing stays held. Unbounded (0): no wait, every burst held."""
+    t = _transport(native_stub_runtime, use_cpp)
+    held, dones, waits, end_waits, left, counted, _ = _bursts_behind_a_slow_link(t, native_stub_runtime, 2)
+    assert held == [1, 2, 2, 2]
+    assert waits == [dones[0], dones[1]]  # before bursts 3 and 4
+    assert end_waits == [dones[3]] and left == 0 and counted == 3
+    t = _transport(native_stub_runtime, use_cpp)
+    held, _, waits, _, left, counted, _ = _bursts_behind_a_slow_link(t, native_stub_runtime, 0)
+    assert held == [1, 2, 3, 4] and waits == [] and left == 4 and counted == 0
+    t._held.clear()
+
+
+def test_the_bound_makes_the_same_calls_in_python_and_cpp(native_stub_runtime):
+    got = [_bursts_behind_a_slow_link(_transport(native_stub_runtime, use_cpp), native_stub_runtime, 1)
+           for use_cpp in (False, True)]
+    assert got[0][0] == got[1][0] == [1, 1, 1, 1]
+    calls = [[(c[0], *c[3:]) if c[0] == "copy" else c for c in g[-1]] for g in got]
+    assert calls[0] == calls[1]
+    # each wait comes before the fence of the burst it makes room for: the new burst is queued after it
+    waits = [i for i, c in enumerate(calls[0]) if c[0] == "wait" and c[1] == 3]
+    fences = [i for i, c in enumerate(calls[0]) if c[0] == "record" and c[2] == 3]
+    assert len(waits) == 3 and all(f > w for w, f in zip(waits, fences[1:]))
+
+
+def test_a_bad_bound_is_one_clear_sentence(monkeypatch):
+    from mcore_offload.runtime.transport import d2h_in_flight_from_env
+
+    monkeypatch.setenv("MCORE_OFFLOAD_D2H_IN_FLIGHT", "-1")
+    with pytest.raises(ValueError, match=r"^MCORE_OFFLOAD_D2H_IN_FLIGHT='-1' is not a non-negative integer; set N"):
+        d2h_in_flight_from_env()
+    monkeypatch.setenv("MCORE_OFFLOAD_D2H_IN_FLIGHT", "two")
+    with pytest.raises(ValueError, match="is not a non-negative integer"):
+        d2h_in_flight_from_env()
+    monkeypatch.setenv("MCORE_OFFLOAD_D2H_IN_FLIGHT", "3")
+    assert d2h_in_flight_from_env() == 3
+    monkeypatch.delenv("MCORE_OFFLOAD_D2H_IN_FLIGHT")
+    assert d2h_in_flight_from_env() == 0

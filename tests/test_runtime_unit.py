@@ -442,7 +442,7 @@ def test_copied_blocks_are_let_go_in_burst_order_and_the_rest_handed_to_the_allo
 
     bursts = [_Burst(True), _Burst(False), _Burst(True)]
     tensors = [[_Held()], [_Held(), _Held()], [_Held()]]
-    t = SimpleNamespace(_held=deque(zip(bursts, tensors)), d2h_stream="d2h")
+    t = SimpleNamespace(_held=deque(zip(bursts, tensors)), d2h_stream="d2h", d2h_in_flight=0)
     CudaTransport.release_copied(t)
     # the first burst finished: gone; the second has not, and the third waits behind it (one query per burst)
     assert [b for b, _ in t._held] == bursts[1:]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_runtime_unit import Toy, cfg, train_step
+from test_runtime_unit import Toy, cfg, toy_steps, train_step
 
 from mcore_offload.runtime import manager as manager_module
 from mcore_offload.runtime import transport as transport_module
@@ -69,6 +69,38 @@ def test_every_host_buffer_hand_off_is_ordered_by_events(monkeypatch, logging_ru
     assert hazards(calls, host) == []
     # the buffer-reuse waits that the compute stream's own reload waits already imply are not made (one a group)
     assert reuse_waits(calls, t) == 0
+
+
+@pytest.mark.parametrize("limit", ["1", "2"])
+def test_a_bound_on_bursts_in_flight_behind_a_slow_link_keeps_the_hand_offs_and_the_numbers(monkeypatch,
+                                                                                          logging_runtime, limit):
+    """MCORE_OFFLOAD_D2H_IN_FLIGHT with no event ever seen complete (the stub reads every query "not ready"): the
+    compute stream waits for copy-out bursts in the forward and at each chunk's end, no block goes back through
+    ``record_stream`` (the CPU tensors here would refuse it), every host-buffer hand-off stays ordered, and the losses
+    and gradients equal the run without offloading."""
+    names = ["qkv_linear", "core_attn", "attn_proj"]
+    base = toy_steps(Toy(cfg(), layers=6), steps=3)
+    monkeypatch.setenv("MCORE_OFFLOAD_D2H_IN_FLIGHT", limit)
+    manager_module.reset()
+    rt = logging_runtime
+    t = cpu_transport_glue.stub_transport(rt, -1, native=True, timed_from_start=True)
+    assert t.d2h_in_flight == int(limit)
+    transport_module._TRANSPORTS[torch.device("cpu")] = t
+    cpu_transport_glue.stub_calls(rt)
+    cpu_transport_glue.stub_set_busy(rt, True)
+    try:
+        got = toy_steps(Toy(cfg(*names), layers=6), steps=3)
+    finally:
+        cpu_transport_glue.stub_set_busy(rt, False)
+    calls = cpu_transport_glue.stub_calls(rt)
+    for (l0, g0), (l1, g1) in zip(base, got):
+        assert all(torch.equal(a, b) for a, b in zip(l0, l1))
+        assert all(torch.equal(a, b) for a, b in zip(g0, g1))
+    assert hazards(calls, host_ranges(t)) == []
+    d2h_done = {c[1] for i, c in enumerate(calls) if c[0] == "record" and c[2] == t._d2h_handle}
+    forward_waits = [c for c in calls if c[0] == "wait" and c[1] == 3 and c[2] in d2h_done]
+    assert t.in_flight_waits > 0 and len(forward_waits) == t.in_flight_waits
+    assert not t._held
 
 
 def test_a_reused_buffer_waits_for_its_reload_unless_the_compute_stream_already_did(logging_runtime):

@@ -46,7 +46,8 @@
 #    block's median over its plain neighbours', the first step of every block left out; blkB_NAME@native too).
 #    NAME_nolook: MCORE_OFFLOAD_SECOND_LOOK=0 (runtime/second_look.py off). NAME_nosplit:
 #    MCORE_OFFLOAD_SPLIT_CHAINS=0 (a chain reloads as one part, prefetch.Prefetch._chain_parts).
-#    NAME_f4 / NAME_r2: MCORE_OFFLOAD_FLUSH_LAYERS=4 / MCORE_OFFLOAD_RELOAD_LAYERS=2. NAME_coal:
+#    NAME_f4 / NAME_r2: MCORE_OFFLOAD_FLUSH_LAYERS=4 / MCORE_OFFLOAD_RELOAD_LAYERS=2. NAME_iflN:
+#    MCORE_OFFLOAD_D2H_IN_FLIGHT=N (at most N copy-out bursts in flight). NAME_coal:
 #    MCORE_OFFLOAD_COALESCE_RELOADS=1 (one reload copy per group). NAME_py: the Python
 #    saved-tensor hooks (MCORE_OFFLOAD_NATIVE=0; every other run sets MCORE_OFFLOAD_NATIVE=${NATIVE:-1}: C++ or fail). NAME@native: NAME on upstream's
 #    megatron-core 0.16.1 (NATIVE_TREE), its native offloading; alt_NAME@native alternates it too. "all5_hooks": the
@@ -94,6 +95,8 @@ for rep in $(seq 1 "${REPS:-2}"); do
       case ${name%@old} in *_coal*) envs="$envs MCORE_OFFLOAD_COALESCE_RELOADS=1" ;; esac
       case ${name%@old} in *_nolook*) envs="$envs MCORE_OFFLOAD_SECOND_LOOK=0" ;; esac
       case ${name%@old} in *_nosplit*) envs="$envs MCORE_OFFLOAD_SPLIT_CHAINS=0" ;; esac
+      # _iflN: at most N copy-out bursts in flight (MCORE_OFFLOAD_D2H_IN_FLIGHT; session 58)
+      [[ ${name%@old} =~ _ifl([0-9]+) ]] && envs="$envs MCORE_OFFLOAD_D2H_IN_FLIGHT=${BASH_REMATCH[1]}"
       case ${name%@old} in *_nccldbg*) envs="$envs NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,P2P" ;; esac
       case ${name%@old} in *_ssa*) envs="$envs MCORE_OFFLOAD_SIDE_STREAMS=aligned" ;;
         *_ssh*) envs="$envs MCORE_OFFLOAD_SIDE_STREAMS=high-priority" ;; esac
@@ -123,7 +126,7 @@ for rep in $(seq 1 "${REPS:-2}"); do
           envs="$envs MCORE_OFFLOAD_TELEMETRY_EVERY=${SW_TELEMETRY_EVERY:-3}" ;;
         *) alt="" ;; esac
       case ${name%@old} in *_bd) alt="$alt --runtime-breakdown" ;; esac
-      base=${nosp%@old}; base=${base//_ssa/}; base=${base//_ssh/}; base=${base//_nccldbg/}; base=${base//_wc/}; base=${base//_coal/}; base=${base//_nolook/}; base=${base//_nosplit/}; base=${base//_py/}; base=${base//_f4/}; base=${base//_r2/}; base=${base#alt_}; base=${base#sw_}; base=${base#idle_}; base=${base#stop_}; base=${base#stopec_}; base=${base#stoph_}; base=${base#stopb_}; base=${base#mid_}; base=${base#midec_}; base=${base#midh_}; base=${base#midb_}; [[ $base =~ ^blk[0-9]+_(.*)$ ]] && base=${BASH_REMATCH[1]}; base=${base%_bd}; base=${base%_nochain}; base=${base%_torchcopy}
+      base=${nosp%@old}; base=${base//_ssa/}; base=${base//_ssh/}; base=${base//_nccldbg/}; base=${base//_wc/}; base=${base//_coal/}; base=${base//_nolook/}; base=${base//_nosplit/}; base=${base//_py/}; base=${base//_f4/}; base=${base//_r2/}; base=${base%%_ifl[0-9]*}; base=${base#alt_}; base=${base#sw_}; base=${base#idle_}; base=${base#stop_}; base=${base#stopec_}; base=${base#stoph_}; base=${base#stopb_}; base=${base#mid_}; base=${base#midec_}; base=${base#midh_}; base=${base#midb_}; [[ $base =~ ^blk[0-9]+_(.*)$ ]] && base=${BASH_REMATCH[1]}; base=${base%_bd}; base=${base%_nochain}; base=${base%_torchcopy}
       case $base in baseline) flags="" ;; core_attn) flags=$OFF ;;
         hooks_only) flags="$OFF --min-offloaded-tensor-size 1000000000000" ;;
         attn) flags="--fine-grained-activation-offloading --offload-modules qkv_linear core_attn attn_proj" ;;

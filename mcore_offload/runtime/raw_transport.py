@@ -119,6 +119,7 @@ class RawCudaTransport(CoalescedReloads, CudaTransport):
         if native is not None:  # the same calls, in the same order, in one C++ call
             return native.to_host_burst(self, storages, keep_alive, routed)
         self.release_copied()
+        self.bound_in_flight()
         rt = self.rt
         record, stream_wait = rt.event_record, rt.stream_wait
         d2h = self._d2h_handle

@@ -9,6 +9,7 @@ directly into the CUDA runtime, is ``raw_transport.RawCudaTransport``.
 
 from __future__ import annotations
 
+import os
 from collections import deque
 
 import torch
@@ -53,6 +54,24 @@ def part_ends(parts: list[int] | None, n: int) -> set[int]:
     if total != n or 0 in ends:
         raise ValueError(f"reload parts {parts} do not split {n} copies into non-empty runs")
     return ends
+
+
+D2H_IN_FLIGHT_VARIABLE = "MCORE_OFFLOAD_D2H_IN_FLIGHT"
+
+
+def d2h_in_flight_from_env() -> int:
+    """``MCORE_OFFLOAD_D2H_IN_FLIGHT``: how many copy-out bursts a device may have in flight (0, the default: no
+    bound; see :meth:`CudaTransport.bound_in_flight`). A bad value is one clear sentence."""
+    raw = os.environ.get(D2H_IN_FLIGHT_VARIABLE, "0")
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{D2H_IN_FLIGHT_VARIABLE}={raw!r} is not a non-negative integer; set N >= 1 to keep at "
+                         "most N copy-out bursts in flight (the compute stream waits for the older ones), or unset "
+                         "it (0) for no bound.")
+    return value
 
 
 class Transport:
@@ -144,6 +163,8 @@ class CudaTransport(Transport):
     """
 
     _memcpy = None  # the raw copy entry point (RawCudaTransport); tests read which path ran
+    d2h_in_flight = 0  # MCORE_OFFLOAD_D2H_IN_FLIGHT (bound_in_flight); 0: no bound
+    in_flight_waits = 0  # the compute stream's waits for copy-out bursts that bound_in_flight made
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()
@@ -159,6 +180,7 @@ class CudaTransport(Transport):
         self._streams: dict[int, torch.cuda.Stream] = {}  # stream id -> Stream object, for the raw lookup
         # (done event, the device tensors it read) per D2H burst, oldest first: see release_copied
         self._held: deque[tuple[object, list[torch.Tensor]]] = deque()
+        self.d2h_in_flight = d2h_in_flight_from_env()
 
     @staticmethod
     def _timing_event() -> torch.cuda.Event:
@@ -185,6 +207,7 @@ class CudaTransport(Transport):
 
     def to_host(self, storages, keep_alive, routed):
         self.release_copied()
+        self.bound_in_flight()
         d2h = self.d2h_stream
         compute = self._current()
         # The saved tensors were produced on the compute stream: copy only after it reached this point.
@@ -256,6 +279,28 @@ class CudaTransport(Transport):
             compute.wait_event(event)
             self.telemetry.span("stall", arrival, event, keep_end=True)
 
+    def bound_in_flight(self) -> None:
+        """Before a copy-out burst, with ``MCORE_OFFLOAD_D2H_IN_FLIGHT=N``: if N bursts are still in flight, the
+        compute stream waits (on the GPU: no host synchronisation) for the oldest ones, so that N remain with the new
+        one, and their device blocks go back to the allocator now.
+
+        Why: where the link cannot keep up with the forward, unbounded bursts keep every copied block on the device
+        until its copy ends, and a peak inside the forward sees none of the offloaded bytes gone (session 57's
+        local-spec run: 272 of 1304 MiB). Bounded, the memory follows the plan and the forward runs at the link's
+        pace instead. Freed after the wait, a block is only reused by work the compute stream queues after it (the
+        blocks were allocated on it), so no ``record_stream`` and no allocator event is needed. Called after
+        :meth:`release_copied`, which has dropped the bursts seen complete.
+        """
+        limit, held = self.d2h_in_flight, self._held
+        excess = len(held) - limit + 1 if limit else 0
+        if excess <= 0:
+            return
+        # one D2H stream runs the bursts in order: waiting for the newest to drop covers the older ones
+        self.wait(held[excess - 1][0])
+        for _ in range(excess):
+            held.popleft()
+        self.in_flight_waits += 1
+
     def release_copied(self, final=False):
         """Drop our references to the device blocks whose D2H burst has finished, oldest burst first.
 
@@ -264,16 +309,22 @@ class CudaTransport(Transport):
         (8-10 µs each), on top of the ones this runtime makes. Holding the tensors costs one query per burst,
         made at the next burst or reload; their blocks go back to the allocator then. ``final`` (a chunk's forward
         ended, a step ended): the bursts still in flight are handed to the allocator with ``record_stream``, as
-        before, so their memory comes back as soon as the copy has read it, with no later poll needed.
+        before, so their memory comes back as soon as the copy has read it, with no later poll needed. Under
+        ``MCORE_OFFLOAD_D2H_IN_FLIGHT`` the compute stream waits for them instead (:meth:`bound_in_flight`): a
+        pending allocator event makes the allocator synchronise with the host when memory runs short (session 57).
         """
         held = self._held
         while held and held[0][0].query():
             held.popleft()[0].seen_done = True  # reloads of these blocks need not wait on it (RawCudaTransport)
         if final and held:
-            stream = self.d2h_stream
-            for _, tensors in held:
-                for t in tensors:
-                    t.record_stream(stream)  # the allocator must not reuse the block before the copy read it
+            if self.d2h_in_flight:
+                self.wait(held[-1][0])
+                self.in_flight_waits += 1
+            else:
+                stream = self.d2h_stream
+                for _, tensors in held:
+                    for t in tensors:
+                        t.record_stream(stream)  # the allocator must not reuse the block before the copy read it
             held.clear()
 
     def synchronize(self):

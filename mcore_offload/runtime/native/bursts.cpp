@@ -2,7 +2,8 @@
 // to_device and release_copied for the common case (no coalesced reloads, no cudaMemcpyBatchAsync), each one call
 // instead of a Python frame per step of the burst and a ctypes call per CUDA call.
 //
-//   to_host_burst    RawCudaTransport.to_host: the copied blocks seen done go back (release_copied), the D2H stream
+//   to_host_burst    RawCudaTransport.to_host: the copied blocks seen done go back (release_copied), the bound on
+//                    bursts in flight (bound_in_flight, MCORE_OFFLOAD_D2H_IN_FLIGHT), the D2H stream
 //                    waits for the compute stream, one host buffer per storage from the pool, a wait on each reused
 //                    buffer's reload unless the compute stream already waited for it, the copies, the done event
 //   to_device_burst  RawCudaTransport.to_device: fresh device storages, the H2D stream waits for the compute stream
@@ -135,6 +136,24 @@ int release_done(PyObject* transport, const Calls& calls, BurstDirection d) {
   return rc;
 }
 
+// MCORE_OFFLOAD_D2H_IN_FLIGHT: where as many copy-out bursts as it allows are still held (release_done has dropped
+// those seen complete), CudaTransport.bound_in_flight makes the compute stream wait for the oldest. In Python: it
+// runs only where the link is behind the forward, not on the common path. 0, or -1 with an error set
+int bound_in_flight(PyObject* transport) {
+  unsigned long long limit = 0;
+  if (!int_attr(transport, MCO_NAME("d2h_in_flight"), limit)) return -1;
+  if (limit == 0) return 0;
+  PyObject* held = get_attr(transport, MCO_NAME("_held"));
+  if (held == nullptr) return -1;
+  Py_ssize_t n = PyObject_Size(held);
+  Py_DECREF(held);
+  if (n < 0) return -1;
+  if (static_cast<unsigned long long>(n) < limit) return 0;
+  PyObject* r = call_method(transport, MCO_NAME("bound_in_flight"));
+  Py_XDECREF(r);
+  return r == nullptr ? -1 : 0;
+}
+
 // Owned references released at scope exit
 struct Refs {
   std::vector<PyObject*> held;
@@ -194,7 +213,7 @@ PyObject* module_to_host_burst(PyObject*, PyObject* args) {
   }
   BurstLap lap(kToHost);
   Calls calls;
-  if (!begin_burst(transport, calls, lap, kToHost)) return nullptr;
+  if (!begin_burst(transport, calls, lap, kToHost) || bound_in_flight(transport) < 0) return nullptr;
   Refs refs;
   unsigned long long d2h, fence, compute;
   if (!int_attr(transport, MCO_NAME("_d2h_handle"), d2h) ||
