@@ -71,3 +71,17 @@ def test_bad_position_table_is_one_sentence(capsys, argv, message):
     assert main(["plan", *model, *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_an_exposed_requested_set_points_to_the_copy_out_bound():
+    """P4's set (all five dense points, session 57): its copies cannot keep up with the forward, so the plan says its
+    Δpeak is an upper bound and, for tight memory, names MCORE_OFFLOAD_D2H_IN_FLIGHT=1 (session 58); a hidden set
+    gets no such note."""
+    hw = get_hardware("h200")
+    five = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm")
+    exposed = build_plan(PlanConfig(DENSE, ParallelLayout(), local(masked_softmax_fusion=False,
+                                                                   offload_modules=five), hw))
+    note = next(w for w in exposed.warnings if w.startswith("the requested set leaves"))
+    assert "an upper bound where they trail it" in note and "MCORE_OFFLOAD_D2H_IN_FLIGHT=1" in note
+    hidden = build_plan(PlanConfig(DENSE, ParallelLayout(), local(offload_modules=("attn_norm",)), hw))
+    assert not any("MCORE_OFFLOAD_D2H_IN_FLIGHT" in w for w in hidden.warnings)

@@ -292,7 +292,9 @@ def _warnings(config: PlanConfig, layers: Mapping[str, LayerActivations], sets: 
     if requested is not None and not requested.hidden:
         out.append(f"the requested set leaves {requested.exposed_fraction:.1%} of compute exposed "
                    f"(budget {config.max_exposed:.0%}); its peak reduction assumes the copies keep up with the "
-                   "forward, an upper bound where they trail it (docs/plan.md)")
+                   "forward, an upper bound where they trail it (docs/plan.md); if memory is tight, set "
+                   "MCORE_OFFLOAD_D2H_IN_FLIGHT=1 so that the memory held follows the memory allocated "
+                   "(docs/tuning.md)")
     if layout.sequence_parallel and layout.tp == 1:
         out.append("--sequence-parallel has no effect with TP=1 (Megatron-LM turns it off)")
     if training.recompute_modules and training.recompute_granularity != "selective":
