@@ -215,6 +215,14 @@ class OffloadSummary:
         if last.link is not None:
             lines.append(f"link: stall {_fmt(last.link.stall_ms)} ms, D2H {_fmt(last.link.d2h_GBps)} GB/s, "
                          f"H2D {_fmt(last.link.h2d_GBps)} GB/s")
+        from mcore_offload.runtime.transport import live_transports
+
+        transports = live_transports()
+        bound = max((getattr(t, "d2h_in_flight", 0) for t in transports), default=0)
+        if bound:
+            waits = sum(getattr(t, "in_flight_waits", 0) for t in transports)
+            lines.append(f"copy-out bound: {bound} burst(s) in flight (MCORE_OFFLOAD_D2H_IN_FLIGHT), "
+                         f"{waits} waits so far")
         return "\n".join(lines)
 
 

@@ -69,6 +69,9 @@ def test_every_host_buffer_hand_off_is_ordered_by_events(monkeypatch, logging_ru
     assert hazards(calls, host) == []
     # the buffer-reuse waits that the compute stream's own reload waits already imply are not made (one a group)
     assert reuse_waits(calls, t) == 0
+    from mcore_offload.summary import get_summary
+
+    assert "copy-out bound" not in get_summary().table()  # no bound unless MCORE_OFFLOAD_D2H_IN_FLIGHT is set
 
 
 @pytest.mark.parametrize("limit", ["1", "2"])
@@ -101,6 +104,11 @@ def test_a_bound_on_bursts_in_flight_behind_a_slow_link_keeps_the_hand_offs_and_
     forward_waits = [c for c in calls if c[0] == "wait" and c[1] == 3 and c[2] in d2h_done]
     assert t.in_flight_waits > 0 and len(forward_waits) == t.in_flight_waits
     assert not t._held
+    from mcore_offload.summary import get_summary
+
+    table = get_summary().table()
+    assert (f"copy-out bound: {limit} burst(s) in flight (MCORE_OFFLOAD_D2H_IN_FLIGHT), {t.in_flight_waits} waits"
+            in table)
 
 
 def test_a_reused_buffer_waits_for_its_reload_unless_the_compute_stream_already_did(logging_runtime):
