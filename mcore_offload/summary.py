@@ -192,7 +192,7 @@ class OffloadSummary:
             "host_buffer_allocations_per_step": [s.host_buffer_allocations for s in self.steps],
             "host_buffer_bytes": sum(t.pool.allocated_bytes for t in transports),
             # MCORE_OFFLOAD_D2H_IN_FLIGHT: the compute stream's waits for copy-out bursts so far (0 when unbounded)
-            "d2h_in_flight_waits": sum(getattr(t, "in_flight_waits", 0) for t in transports),
+            "d2h_in_flight_waits": sum(t.in_flight_waits for t in transports),
             "per_step": self.link_series(),
         }
 
@@ -218,9 +218,9 @@ class OffloadSummary:
         from mcore_offload.runtime.transport import live_transports
 
         transports = live_transports()
-        bound = max((getattr(t, "d2h_in_flight", 0) for t in transports), default=0)
+        bound = max((t.d2h_in_flight for t in transports), default=0)
         if bound:
-            waits = sum(getattr(t, "in_flight_waits", 0) for t in transports)
+            waits = sum(t.in_flight_waits for t in transports)
             lines.append(f"copy-out bound: {bound} burst(s) in flight (MCORE_OFFLOAD_D2H_IN_FLIGHT), "
                          f"{waits} waits so far")
         return "\n".join(lines)

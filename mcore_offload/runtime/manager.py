@@ -115,7 +115,7 @@ class OffloadManager:
         self.split_chains = choice_env("MCORE_OFFLOAD_SPLIT_CHAINS", "1", ("0", "1")) == "1"
         self.host_memory = host_memory_kind()  # a bad MCORE_OFFLOAD_HOST_MEMORY fails here, before any step
         self.side_streams = side_stream_kind()  # and a bad MCORE_OFFLOAD_SIDE_STREAMS
-        self.d2h_in_flight = d2h_in_flight_from_env()  # and MCORE_OFFLOAD_D2H_IN_FLIGHT (the transports read it)
+        d2h_in_flight_from_env()  # and a bad MCORE_OFFLOAD_D2H_IN_FLIGHT (the transports read it when made)
         # the C++ saved-tensor hooks (runtime/native), or None: the Python ones (MCORE_OFFLOAD_NATIVE)
         self.native = load_native()
         if self.native is not None:  # the C++ paths add their host time to an int64 (summary_calls.cpp)

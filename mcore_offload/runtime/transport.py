@@ -82,6 +82,9 @@ class Transport:
     storage: in a launch-bound step every microsecond of Python on this path is step time.
     """
 
+    d2h_in_flight = 0  # MCORE_OFFLOAD_D2H_IN_FLIGHT (CudaTransport.bound_in_flight); 0: no bound
+    in_flight_waits = 0  # the compute stream's waits for copy-out bursts under that bound
+
     def __init__(self) -> None:
         self.pool = HostBufferPool(pin=False)
         self.telemetry = LinkTelemetry(None)
@@ -163,8 +166,6 @@ class CudaTransport(Transport):
     """
 
     _memcpy = None  # the raw copy entry point (RawCudaTransport); tests read which path ran
-    d2h_in_flight = 0  # MCORE_OFFLOAD_D2H_IN_FLIGHT (bound_in_flight); 0: no bound
-    in_flight_waits = 0  # the compute stream's waits for copy-out bursts that bound_in_flight made
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()
@@ -294,13 +295,17 @@ class CudaTransport(Transport):
         ``record_stream`` and no allocator event is needed. Called after :meth:`release_copied`, which has dropped
         the bursts seen complete.
         """
-        limit, held = self.d2h_in_flight, self._held
-        excess = len(held) - limit + 1 if limit else 0
-        if excess <= 0:
-            return
-        # one D2H stream runs the bursts in order: waiting for the newest to drop covers the older ones
-        self.wait(held[excess - 1][0])
-        for _ in range(excess):
+        limit = self.d2h_in_flight
+        excess = len(self._held) - limit + 1 if limit else 0
+        if excess > 0:
+            self._wait_for_held(excess)
+
+    def _wait_for_held(self, count: int) -> None:
+        """The compute stream waits for the oldest ``count`` held bursts, which are then dropped (one D2H stream runs
+        the bursts in order: waiting for the newest of them covers the older ones)."""
+        held = self._held
+        self.wait(held[count - 1][0])
+        for _ in range(count):
             held.popleft()
         self.in_flight_waits += 1
 
@@ -321,13 +326,12 @@ class CudaTransport(Transport):
             held.popleft()[0].seen_done = True  # reloads of these blocks need not wait on it (RawCudaTransport)
         if final and held:
             if self.d2h_in_flight:
-                self.wait(held[-1][0])
-                self.in_flight_waits += 1
-            else:
-                stream = self.d2h_stream
-                for _, tensors in held:
-                    for t in tensors:
-                        t.record_stream(stream)  # the allocator must not reuse the block before the copy read it
+                self._wait_for_held(len(held))
+                return
+            stream = self.d2h_stream
+            for _, tensors in held:
+                for t in tensors:
+                    t.record_stream(stream)  # the allocator must not reuse the block before the copy read it
             held.clear()
 
     def synchronize(self):
