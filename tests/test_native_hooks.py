@@ -204,6 +204,7 @@ class _Entry:
 
     def __init__(self, storage: torch.UntypedStorage) -> None:
         self.device_storage, self.compute_waited, self.users = storage, True, 0
+        self.awaiting, self.reloaded_ref = 0, None
 
 
 def test_the_manager_uses_the_cpp_hooks_by_default(module, monkeypatch):

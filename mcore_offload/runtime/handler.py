@@ -177,7 +177,12 @@ class ChunkOffloadHandler(SecondLook, Prefetch, HandlerBase):
 
     def _rebuild(self, tensor_tag: SavedRef) -> torch.Tensor:
         entry = tensor_tag.entry
-        if entry.device_storage is None:
+        storage = entry.device_storage
+        if storage is None and entry.reloaded_ref is not None:
+            # Read again after every view had been read once (CheckpointWithoutOutput reads its inputs in the
+            # recompute and in backward): still there while an earlier view holds it.
+            storage = entry.reloaded_ref()
+        if storage is None:
             if entry.host is None:
                 raise RuntimeError(
                     f"mcore-offload: a tensor saved at point {entry.point!r} was read after its chunk "
@@ -185,12 +190,28 @@ class ChunkOffloadHandler(SecondLook, Prefetch, HandlerBase):
                 )
             logger.debug("inline reload of a %s storage (%d bytes)", entry.point, entry.nbytes)
             self._reload([entry], on_demand=True)
+            storage = entry.device_storage
         if not entry.compute_waited:
             self.transport.wait_reload(entry.h2d_event, entry.h2d_seq)
             entry.compute_waited = True
         view = torch.empty(0, dtype=tensor_tag.dtype, device=self.device)
-        view.set_(entry.device_storage, tensor_tag.offset, tensor_tag.size, tensor_tag.stride)
+        view.set_(storage, tensor_tag.offset, tensor_tag.size, tensor_tag.stride)
+        if not tensor_tag.unpacked:
+            self._first_read(tensor_tag, entry)
         return view
+
+    @staticmethod
+    def _first_read(ref: SavedRef, entry: Entry) -> None:
+        """The first read of an offloaded view (native: hooks.cpp's first_read). Once every saved view of the storage
+        has been read, the entry's reference becomes weak: autograd holds each view for as long as its node needs it,
+        so the storage goes when its last reader is done, as it would without offloading. Held until the group's
+        end, it outlived its use inside groups of several autograd nodes (the local spec's attention: the
+        probabilities and the dropout mask during the softmax's and the QK product's backward)."""
+        ref.unpacked = True
+        entry.awaiting -= 1
+        if entry.awaiting == 0 and entry.device_storage is not None:
+            entry.reloaded_ref = weakref.ref(entry.device_storage)
+            entry.device_storage = None
 
     # ---------------------------------------------------------------------------------------- forward
     def on_group_commit_forward(self, group: Group | None = None) -> None:
@@ -280,6 +301,7 @@ class ChunkOffloadHandler(SecondLook, Prefetch, HandlerBase):
             ref.dtype, ref.offset = t.dtype, t.storage_offset()
             ref.size, ref.stride = t.shape, t.stride()  # torch.Size and a tuple: immutable, kept as they are
             ref.entry, ref.tensor = entry, None
+            entry.awaiting += 1
             if entry not in ref.group.entries:
                 ref.group.entries.append(entry)
                 entry.users += 1

@@ -32,7 +32,7 @@ class Entry:
     """One offloaded storage (slots: one is made per storage and flush, on the hot path)."""
 
     __slots__ = ("point", "nbytes", "host", "d2h_event", "device_storage", "h2d_event", "h2d_seq", "compute_waited",
-                 "users", "storage_ref", "off_device", "device_ptr", "peak_key")
+                 "users", "storage_ref", "off_device", "device_ptr", "peak_key", "awaiting", "reloaded_ref")
 
     def __init__(self, point: str, nbytes: int, host: torch.Tensor | None, d2h_event: Any, device_ptr: int = 0) -> None:
         self.point = point
@@ -48,18 +48,21 @@ class Entry:
         self.off_device = False  # the original storage is freed and no reloaded copy exists yet
         self.device_ptr = device_ptr  # the original storage's address (audits: never a parameter's or a workspace's)
         self.peak_key: Any = None  # auto's peak step: (vp_stage, layer, point), for what is off at the peak
+        self.awaiting = 0  # saved views of this storage not yet read by backward (handler._first_read)
+        self.reloaded_ref: Any = None  # weak reference to the reloaded storage once every view was read
 
 
 class SavedRef:
     """What the pack hook returns for an eligible tensor: the tensor, then (once offloaded) its view."""
 
-    __slots__ = ("tensor", "group", "point", "entry", "dtype", "offset", "size", "stride")
+    __slots__ = ("tensor", "group", "point", "entry", "dtype", "offset", "size", "stride", "unpacked")
 
     def __init__(self, tensor: torch.Tensor, group: Group, point: str) -> None:
         self.tensor: torch.Tensor | None = tensor
         self.group = group
         self.point = point  # the offload point that saved it (a group may span consecutive points)
         self.entry: Entry | None = None
+        self.unpacked = False  # read by backward since it was offloaded (handler._first_read)
 
 
 @dataclass(eq=False, slots=True)

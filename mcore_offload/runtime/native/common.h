@@ -55,6 +55,8 @@ extern PyObject* g_parameter_type;
 extern PyObject* s_finished;
 extern PyObject* s_parameters;
 extern PyObject* s_users;
+extern PyObject* s_awaiting;
+extern PyObject* s_reloaded_ref;
 extern PyObject* s_runtime_ns;
 extern PyObject* s_device_storage;
 extern PyObject* s_compute_waited;
@@ -177,6 +179,7 @@ struct SavedRef {
   PyObject* group;
   PyObject* point;
   PyObject* entry;
+  char unpacked;  // read by backward since it was offloaded (hooks.cpp: first_read); a char for T_BOOL
   ViewLayout layout;
 };
 extern PyTypeObject SavedRefType;

@@ -127,7 +127,7 @@ int attach_all(PyObject* entry, PyObject* refs) {
   bool ok = true;
   for (Py_ssize_t i = 0; ok && i < PySequence_Fast_GET_SIZE(seq); ++i) {
     PyObject* ref = PySequence_Fast_GET_ITEM(seq, i);
-    ok = attach_one(entry, ref) == 0;
+    ok = attach_one(entry, ref) == 0 && add_to_attr(entry, s_awaiting, 1) == 0;
     if (!ok) break;
     PyObject* group = Py_TYPE(ref) == &SavedRefType ? reinterpret_cast<SavedRef*>(ref)->group : nullptr;
     if (group != nullptr) {

@@ -25,11 +25,13 @@ struct Entry {
   PyObject* off_device;
   PyObject* device_ptr;
   PyObject* peak_key;
+  PyObject* awaiting;
+  PyObject* reloaded_ref;
 };
 
 #define MCO_ENTRY_FIELDS(X) \
   X(point) X(nbytes) X(host) X(d2h_event) X(device_storage) X(h2d_event) X(h2d_seq) X(compute_waited) X(users) \
-  X(storage_ref) X(off_device) X(device_ptr) X(peak_key)
+  X(storage_ref) X(off_device) X(device_ptr) X(peak_key) X(awaiting) X(reloaded_ref)
 
 #define MCO_MEMBER(name) {#name, T_OBJECT, offsetof(Entry, name), 0, nullptr},
 PyMemberDef entry_members[] = {MCO_ENTRY_FIELDS(MCO_MEMBER){nullptr, 0, 0, 0, nullptr}};
@@ -85,6 +87,8 @@ PyObject* new_entry(PyObject* point, PyObject* nbytes, PyObject* host, PyObject*
   e->off_device = own(Py_False);
   e->device_ptr = device_ptr != nullptr ? own(device_ptr) : own(zero);
   e->peak_key = own(Py_None);
+  e->awaiting = own(zero);
+  e->reloaded_ref = own(Py_None);
   Py_DECREF(zero);
   PyObject_GC_Track(e);
   return reinterpret_cast<PyObject*>(e);

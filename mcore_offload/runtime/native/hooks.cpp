@@ -225,6 +225,21 @@ PyObject* rebuild_view(SavedRef* ref, PyObject* device_storage) {
   return THPVariable_Wrap(view_of(storage, layout.dtype, layout.offset, layout.sizes, layout.strides));
 }
 
+// handler._first_read: the ref's first read since it was offloaded. When every saved view of the entry has been read,
+// the entry keeps only a weak reference to its reloaded storage: autograd's views hold it while their nodes need it,
+// and it goes with the last of them, as without offloading (0, or -1 with an error set)
+int first_read(SavedRef* ref, PyObject* storage) {
+  ref->unpacked = 1;
+  long left = attr_long(ref->entry, s_awaiting);
+  if ((left == -1 && PyErr_Occurred()) || add_to_attr(ref->entry, s_awaiting, -1) < 0) return -1;
+  if (left != 1) return 0;
+  Ref weak(PyWeakref_NewRef(storage, nullptr));
+  return weak && setattr_fast(ref->entry, s_reloaded_ref, weak.get()) == 0 &&
+                 setattr_fast(ref->entry, s_device_storage, Py_None) == 0
+             ? 0
+             : -1;
+}
+
 PyObject* unpacker_unpack(Unpacker* self, PyObject* tag) {
   HANDLE_TH_ERRORS
   if (Py_TYPE(tag) != &SavedRefType) {
@@ -268,6 +283,7 @@ PyObject* unpacker_unpack(Unpacker* self, PyObject* tag) {
   }
   if (storage != nullptr && storage != Py_None && waited) {
     out = rebuild_view(ref, storage);
+    if (out != nullptr && !ref->unpacked && first_read(ref, storage) < 0) Py_CLEAR(out);
   } else {  // not back yet: the handler's own path (inline reload, wait, errors)
     out = PyObject_CallMethodObjArgs(self->handler, s_rebuild, tag, nullptr);
   }

@@ -18,6 +18,8 @@ PyObject* g_parameter_type = nullptr;
 PyObject* s_finished;
 PyObject* s_parameters;
 PyObject* s_users;
+PyObject* s_awaiting;
+PyObject* s_reloaded_ref;
 PyObject* s_runtime_ns;
 PyObject* s_device_storage;
 PyObject* s_compute_waited;
@@ -223,6 +225,8 @@ bool intern_all() {
   static const NameSlot names[] = {{&s_finished, "finished"},
                                    {&s_parameters, "parameters"},
                                    {&s_users, "users"},
+                                   {&s_awaiting, "awaiting"},
+                                   {&s_reloaded_ref, "reloaded_ref"},
                                    {&s_runtime_ns, "runtime_ns"},
                                    {&s_device_storage, "device_storage"},
                                    {&s_compute_waited, "compute_waited"},

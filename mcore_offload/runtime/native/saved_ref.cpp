@@ -13,6 +13,7 @@ PyMemberDef saved_ref_members[] = {
     {"group", T_OBJECT, offsetof(SavedRef, group), 0, nullptr},
     {"point", T_OBJECT, offsetof(SavedRef, point), 0, nullptr},
     {"entry", T_OBJECT, offsetof(SavedRef, entry), 0, nullptr},
+    {"unpacked", T_BOOL, offsetof(SavedRef, unpacked), 0, nullptr},
     {nullptr, 0, 0, 0, nullptr}};
 
 PyObject* int_tuple_of(c10::IntArrayRef values) {
@@ -164,6 +165,7 @@ PyObject* new_saved_ref(PyObject* tensor, PyObject* group, PyObject* point) {
   ref->group = group;
   ref->point = point;
   ref->entry = nullptr;
+  ref->unpacked = 0;
   new (&ref->layout) ViewLayout();  // PyObject_GC_New does not construct C++ members
   PyObject_GC_Track(ref);
   return reinterpret_cast<PyObject*>(ref);
