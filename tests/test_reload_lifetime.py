@@ -53,11 +53,16 @@ class ThreeReaders(Toy):
     def __init__(self, config, measure, rows=8):
         super().__init__(config, layers=2)  # the first layer is offloaded, the last one stays on the device
         self.measure, self.rows, self.notes, self.calls = measure, rows, [], 0
+        self.made: list[tuple[str, int, weakref.ref]] = []  # the tanh outputs' storages: (layer, bytes, weakref)
 
     def note(self, where):
         def record():
-            self.notes.append((where, self.measure()))
+            alive = [(layer, n) for layer, n, ref in self.made if ref() is not None]
+            self.notes.append((where, self.measure(), alive))
         return record
+
+    def keep_track(self, tag, *tensors):
+        self.made.extend((tag, t.untyped_storage().nbytes(), weakref.ref(t.untyped_storage())) for t in tensors)
 
     def layer(self, x, qkv, proj):
         points.layer_boundary(self.config)
@@ -65,9 +70,10 @@ class ThreeReaders(Toy):
         tag = f"layer {self.calls}"
         with points.offload("core_attn", self.config, x) as h:
             y1 = torch.tanh(Probe.apply(h, self.note(f"{tag}: group start")))
-            y1 = Probe.apply(y1, self.note(f"{tag}: after the second and third tanh"))
-            y2 = torch.tanh(torch.cat([y1, y1], -1))
-            y3 = torch.tanh(torch.cat([y2, y1], -1))
+            y1c = Probe.apply(y1, self.note(f"{tag}: after the second and third tanh"))
+            y2 = torch.tanh(torch.cat([y1c, y1c], -1))
+            y3 = torch.tanh(torch.cat([y2, y1c], -1))
+            self.keep_track(tag, y1, y2, y3)
         out = points.commit("core_attn", self.config, y3[..., :16])
         return x + out
 
@@ -91,10 +97,20 @@ def test_a_reloaded_storage_goes_when_its_last_reader_is_done_not_at_the_end_of_
     model, loss, grad = run_three_readers(["core_attn"], alive)
     assert torch.equal(loss, base_loss) and torch.equal(grad, base_grad)
     assert sorted(n for n, _ in made) == [512, 1024, 1536]  # the first layer's three storages came back once
-    layer1 = [(where, got) for where, got in model.notes if where.startswith("layer 1")]
+    layer1 = [(where, got) for where, got, _ in model.notes if where.startswith("layer 1")]
     # Between the second and the first tanh's backward only the first tanh's output is still needed. (Held until the
     # group's end, all three were alive here and at the group's start.)
     assert layer1 == [("layer 1: after the second and third tanh", [512]), ("layer 1: group start", [])]
+    # The tanh outputs themselves: the offloaded layer's are gone since its flush; the last layer's, kept on the
+    # device, go with their readers, as without offloading (the group used to hold them to the chunk's end).
+    expected = {"layer 2: after the second and third tanh": [("layer 2", 512)], "layer 2: group start": [],
+                "layer 1: after the second and third tanh": [], "layer 1: group start": []}
+    assert {where: alive for where, _, alive in model.notes} == expected
+    assert {where: alive for where, _, alive in base_model.notes} == {
+        "layer 2: after the second and third tanh": [("layer 1", 512), ("layer 1", 1024), ("layer 1", 1536),
+                                                     ("layer 2", 512)],
+        "layer 2: group start": [("layer 1", 512), ("layer 1", 1024), ("layer 1", 1536)],
+        "layer 1: after the second and third tanh": [("layer 1", 512)], "layer 1: group start": []}
     last = get_summary().last_step
     assert last.total("offloaded") == last.total("reloaded") == 512 + 1024 + 1536
 

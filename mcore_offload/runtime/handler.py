@@ -332,6 +332,16 @@ class ChunkOffloadHandler(SecondLook, Prefetch, HandlerBase):
         self._wait_for_start(group)
         self._prefetch(group)
         self.current_group = max(self.current_group - 1, 0)
+        self._release_refs(group)
+
+    @staticmethod
+    def _release_refs(group: Group) -> None:
+        """Backward reached the group: nothing copies its tensors out any more (a flush or a second look), so the
+        group lets go of its saved refs (native: backward.cpp's release_refs). Autograd holds each ref for as long as
+        its node needs it, so a tensor kept on the device (the chunk's last layer, a storage another tensor held at
+        the flush) now goes when its last reader is done, as without offloading; the group used to keep the whole
+        last layer's saved tensors through the rest of the chunk's backward."""
+        group.refs.clear()
 
     def _wait_for_start(self, group: Group) -> None:
         """The compute stream's one wait before the group's backward: on the latest reload burst it needs (it covers

@@ -280,6 +280,13 @@ int wait_latest(PyObject* handler, PyObject* group, PyObject* entries) {
 
 }  // namespace
 
+// handler._release_refs: the group's list of saved refs emptied (1, or -1 with an error set)
+int release_refs(PyObject* group) {
+  Ref refs(getattr_fast(group, s_refs));
+  if (refs && !PyList_Check(refs.get())) PyErr_SetString(PyExc_TypeError, "group.refs must be a list");
+  return refs && PyList_Check(refs.get()) && PyList_SetSlice(refs.get(), 0, PY_SSIZE_T_MAX, nullptr) == 0 ? 1 : -1;
+}
+
 // handler.on_group_commit_backward's common case: 1 done, 0 nothing done (the Python method must run), -1 error set
 int commit_backward_impl(PyObject* handler, PyObject* group) {
   Ref manager(getattr_fast(handler, s_manager));
@@ -308,7 +315,7 @@ int commit_backward_impl(PyObject* handler, PyObject* group) {
   long current = attr_long(handler, s_current_group);
   if ((current == -1 && PyErr_Occurred()) || set_long(handler, s_current_group, current > 1 ? current - 1 : 0) < 0)
     return -1;
-  return 1;
+  return release_refs(group);
 }
 
 // handler.on_group_backward_done's common case: 1 done (or the group was done already), 0 nothing done (the Python
