@@ -79,7 +79,7 @@ def run(label, names, hooks, old=False, snapshot_at=None):
                   "skipped_aliased"):
             counters[c] = step.total(c) / MiB
     print(f"{label}: loss {loss.item()!r}")
-    for where, value in model.notes:
+    for where, value, _ in model.notes:
         print(f"  {where:45s} {value:9.1f} MiB above the start")
     if counters:
         print("  counters (MiB):", counters)
