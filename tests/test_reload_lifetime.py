@@ -48,11 +48,14 @@ class Probe(torch.autograd.Function):
 class ThreeReaders(Toy):
     """A group of several autograd nodes, like the local spec's attention: three tanhs, each saving its output
     (rows x 16, x 32 and x 48 float32: 512, 1024 and 1536 bytes at 8 rows), read one after another in backward.
-    ``measure()`` is noted at two moments of each layer's backward (``notes``)."""
+    ``measure()`` is noted at two moments of each layer's backward (``notes``). ``second_point``: a tanh at the
+    ``mlp_norm`` point after them (then the kept layer's ``core_attn`` group is not the first group backward
+    reaches, which the C++ runtime's common path serves)."""
 
-    def __init__(self, config, measure, rows=8):
+    def __init__(self, config, measure, rows=8, second_point=False):
         super().__init__(config, layers=2)  # the first layer is offloaded, the last one stays on the device
         self.measure, self.rows, self.notes, self.calls = measure, rows, [], 0
+        self.second_point = second_point
         self.made: list[tuple[str, int, weakref.ref]] = []  # the tanh outputs' storages: (layer, bytes, weakref)
 
     def note(self, where):
@@ -75,28 +78,35 @@ class ThreeReaders(Toy):
             y3 = torch.tanh(torch.cat([y2, y1c], -1))
             self.keep_track(tag, y1, y2, y3)
         out = points.commit("core_attn", self.config, y3[..., :16])
+        if self.second_point:
+            with points.offload("mlp_norm", self.config, out) as o:
+                out = torch.tanh(o)
+            out = points.commit("mlp_norm", self.config, out)
         return x + out
 
 
-def run_three_readers(names, measure, rows=8, device="cpu"):
+def run_three_readers(names, measure, rows=8, device="cpu", second_point=False):
     """One training step of :class:`ThreeReaders`: the model (its notes), the loss and the input's gradient."""
-    model = ThreeReaders(cfg(*names), measure, rows).to(device)
+    model = ThreeReaders(cfg(*names), measure, rows, second_point).to(device)
     x = torch.randn(rows, 16, generator=torch.Generator().manual_seed(1)).to(device).requires_grad_()
     loss = train_step(model, [x])[0]
     return model, loss, x.grad
 
 
-def test_a_reloaded_storage_goes_when_its_last_reader_is_done_not_at_the_end_of_its_group(monkeypatch):
+@pytest.mark.parametrize("second_point", [False, True], ids=["one-group", "two-groups"])
+def test_a_reloaded_storage_goes_when_its_last_reader_is_done_not_at_the_end_of_its_group(monkeypatch, second_point):
     made = spy_reloads(monkeypatch)
 
     def alive():
         return sorted(n for n, ref in made if ref() is not None)
 
-    base_model, base_loss, base_grad = run_three_readers([], alive)
+    names = ["core_attn", "mlp_norm"] if second_point else ["core_attn"]
+    base_model, base_loss, base_grad = run_three_readers([], alive, second_point=second_point)
     assert made == [] and base_model.notes
-    model, loss, grad = run_three_readers(["core_attn"], alive)
+    model, loss, grad = run_three_readers(names, alive, second_point=second_point)
     assert torch.equal(loss, base_loss) and torch.equal(grad, base_grad)
-    assert sorted(n for n, _ in made) == [512, 1024, 1536]  # the first layer's three storages came back once
+    # the first layer's storages came back once: the three tanhs' (and the second point's, read before them)
+    assert sorted(n for n, _ in made) == ([512, 512, 1024, 1536] if second_point else [512, 1024, 1536])
     layer1 = [(where, got) for where, got, _ in model.notes if where.startswith("layer 1")]
     # Between the second and the first tanh's backward only the first tanh's output is still needed. (Held until the
     # group's end, all three were alive here and at the group's start.)
@@ -112,7 +122,7 @@ def test_a_reloaded_storage_goes_when_its_last_reader_is_done_not_at_the_end_of_
         "layer 2: group start": [("layer 1", 512), ("layer 1", 1024), ("layer 1", 1536)],
         "layer 1: after the second and third tanh": [("layer 1", 512)], "layer 1: group start": []}
     last = get_summary().last_step
-    assert last.total("offloaded") == last.total("reloaded") == 512 + 1024 + 1536
+    assert last.total("offloaded") == last.total("reloaded") == 512 * second_point + 512 + 1024 + 1536
 
 
 class ReadsTwice(torch.autograd.Function):
