@@ -11,6 +11,7 @@ import torch
 from mcore_offload.runtime import points
 from mcore_offload.runtime.transport import Transport
 from mcore_offload.summary import get_summary
+from tests.conftest import record_packed
 from tests.test_runtime_unit import Toy, cfg, train_step
 
 # every test here runs with the C++ hooks and with the Python ones
@@ -169,3 +170,59 @@ def test_a_second_read_finds_the_storage_or_brings_it_back_again(keep):
     last = get_summary().last_step
     assert last.total("offloaded") == 512  # the first layer's product (8x16 float32)
     assert last.total("reloaded") == (512 if keep else 2 * 512)
+
+
+class Fault(torch.autograd.Function):
+    """An identity whose backward raises (a fault in the middle of backward, after the kept layer's groups began)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("injected backward fault")
+
+
+class FaultInGroup(Toy):
+    """Two layers of a tanh pair at ``core_attn`` and a tanh at ``mlp_norm``; the last (kept) layer's backward raises
+    between its two ``core_attn`` tanhs, so the first tanh's saved output is never read."""
+
+    def __init__(self, config):
+        super().__init__(config, layers=2)
+        self.calls = 0
+
+    def layer(self, x, qkv, proj):
+        points.layer_boundary(self.config)
+        self.calls += 1
+        with points.offload("core_attn", self.config, x) as h:
+            y = torch.tanh(h)
+            y = torch.tanh(Fault.apply(y) if self.calls == 2 else y)
+        out = points.commit("core_attn", self.config, y)
+        with points.offload("mlp_norm", self.config, out) as o:
+            out = torch.tanh(o)
+        return x + points.commit("mlp_norm", self.config, out)
+
+
+def test_a_fault_in_backward_frees_every_saved_tensor_without_the_garbage_collector(monkeypatch):
+    """Groups let go of their saved refs when backward reaches them, yet an abort must still cut loose the refs the
+    abandoned graph holds: a saved output and its SavedRef form a cycle through the autograd graph that the
+    collector cannot see."""
+    import gc
+
+    seen: list = []
+    record_packed(monkeypatch, seen)
+    model = FaultInGroup(cfg("core_attn", "mlp_norm"))
+    gc.collect()
+    gc.disable()
+    try:
+        with pytest.raises(RuntimeError, match="injected backward fault"):
+            train_step(model, [torch.randn(8, 16, requires_grad=True)])
+        assert get_summary().last_step.aborted
+        assert seen and [r for r in seen if r() is not None] == []
+    finally:
+        gc.enable()
+    model = FaultInGroup(cfg("core_attn", "mlp_norm"))
+    model.calls = -10  # no fault this time
+    train_step(model, [torch.randn(8, 16, requires_grad=True)])
+    assert not get_summary().last_step.aborted and get_summary().last_step.total("offloaded") > 0

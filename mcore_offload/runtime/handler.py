@@ -337,10 +337,13 @@ class ChunkOffloadHandler(SecondLook, Prefetch, HandlerBase):
     @staticmethod
     def _release_refs(group: Group) -> None:
         """Backward reached the group: nothing copies its tensors out any more (a flush or a second look), so the
-        group lets go of its saved refs (native: backward.cpp's release_refs). Autograd holds each ref for as long as
+        group lets go of its saved refs (native: saved_ref.cpp's release_refs). Autograd holds each ref for as long as
         its node needs it, so a tensor kept on the device (the chunk's last layer, a storage another tensor held at
         the flush) now goes when its last reader is done, as without offloading; the group used to keep the whole
-        last layer's saved tensors through the rest of the chunk's backward."""
+        last layer's saved tensors through the rest of the chunk's backward. Those that still hold a tensor are kept
+        weakly in ``let_go``: after a fault in backward, the abandoned graph's unread refs and their saved outputs
+        form cycles through autograd that only :meth:`finish`'s abort can cut."""
+        group.let_go.extend(weakref.ref(r) for r in group.refs if r.tensor is not None)
         group.refs.clear()
 
     def _wait_for_start(self, group: Group) -> None:
@@ -483,7 +486,12 @@ class ChunkOffloadHandler(SecondLook, Prefetch, HandlerBase):
             if abort:
                 for ref in group.refs:
                     ref.tensor = None
+                for weak in group.let_go:
+                    ref = weak()
+                    if ref is not None:
+                        ref.tensor = None
             group.refs.clear()
+            group.let_go.clear()
             for entry in group.entries:
                 entry.storage_ref = None
             group.entries.clear()

@@ -55,7 +55,7 @@ class Entry:
 class SavedRef:
     """What the pack hook returns for an eligible tensor: the tensor, then (once offloaded) its view."""
 
-    __slots__ = ("tensor", "group", "point", "entry", "dtype", "offset", "size", "stride", "unpacked")
+    __slots__ = ("tensor", "group", "point", "entry", "dtype", "offset", "size", "stride", "unpacked", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor, group: Group, point: str) -> None:
         self.tensor: torch.Tensor | None = tensor
@@ -70,6 +70,8 @@ class Group:
     name: str  # the first point of the group
     points: list[str] = field(default_factory=list)  # every point it spans (see runtime/points.py: chains)
     refs: list[SavedRef] = field(default_factory=list)
+    # weak references to the refs that still held their tensor when backward reached the group (an abort cuts them)
+    let_go: list = field(default_factory=list)
     rejected: dict[str, int] = field(default_factory=dict)  # why saved tensors stayed, for the log
     parameters: int = 0  # saved parameters (rejected by the pack hook's fast path, not in ``rejected``)
     entries: list[Entry] = field(default_factory=list)

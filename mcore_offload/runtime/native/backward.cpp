@@ -280,13 +280,6 @@ int wait_latest(PyObject* handler, PyObject* group, PyObject* entries) {
 
 }  // namespace
 
-// handler._release_refs: the group's list of saved refs emptied (1, or -1 with an error set)
-int release_refs(PyObject* group) {
-  Ref refs(getattr_fast(group, s_refs));
-  if (refs && !PyList_Check(refs.get())) PyErr_SetString(PyExc_TypeError, "group.refs must be a list");
-  return refs && PyList_Check(refs.get()) && PyList_SetSlice(refs.get(), 0, PY_SSIZE_T_MAX, nullptr) == 0 ? 1 : -1;
-}
-
 // handler.on_group_commit_backward's common case: 1 done, 0 nothing done (the Python method must run), -1 error set
 int commit_backward_impl(PyObject* handler, PyObject* group) {
   Ref manager(getattr_fast(handler, s_manager));

@@ -80,6 +80,7 @@ extern PyObject* s_forward_handler;
 extern PyObject* s_chain;
 extern PyObject* s_points;
 extern PyObject* s_refs;
+extern PyObject* s_let_go;
 
 // a Python string to intern into a global slot (module.cpp: intern_names, each text into its slot; false: error set)
 struct NameSlot {
@@ -180,11 +181,14 @@ struct SavedRef {
   PyObject* point;
   PyObject* entry;
   char unpacked;  // read by backward since it was offloaded (hooks.cpp: first_read); a char for T_BOOL
+  PyObject* weakreflist;  // weak references to it (a group's let_go, saved_ref.cpp: release_refs)
   ViewLayout layout;
 };
 extern PyTypeObject SavedRefType;
 // saved_ref.cpp: a new SavedRef(tensor, group, point), its layout unset (nullptr: error set)
 PyObject* new_saved_ref(PyObject* tensor, PyObject* group, PyObject* point);
+// saved_ref.cpp: handler._release_refs, backward reached the group (1, or -1 with an error set)
+int release_refs(PyObject* group);
 // (1, 2, ...) as a Python tuple of ints (a new reference, or nullptr with an error set). hooks.cpp
 PyObject* int_tuple_of(c10::IntArrayRef values);
 

@@ -42,6 +42,7 @@ PyObject* s_forward_handler;
 PyObject* s_chain;
 PyObject* s_points;
 PyObject* s_refs;
+PyObject* s_let_go;
 
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -248,7 +249,8 @@ bool intern_all() {
                                    {&s_forward_handler, "forward_handler"},
                                    {&s_chain, "chain"},
                                    {&s_points, "points"},
-                                   {&s_refs, "refs"}};
+                                   {&s_refs, "refs"},
+                                   {&s_let_go, "let_go"}};
   return intern_names(names, sizeof(names) / sizeof(names[0]));
 }
 

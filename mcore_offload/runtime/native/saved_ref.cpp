@@ -2,7 +2,8 @@
 // built): saved.SavedRef's tensor, group, point and entry as members, and the saved view's layout (dtype, offset,
 // sizes, strides) kept as C++ values, which Python reads and writes as dtype / offset / size / stride (None until
 // set). The struct is in common.h; the hooks that make and read it are hooks.cpp's, the copy-out's copy_path.cpp's.
-// Apart from hooks.cpp so that each file holds one concept and stays under the project's ~500 lines.
+// Apart from hooks.cpp so that each file holds one concept and stays under the project's ~500 lines. Also here:
+// release_refs, a group letting go of its list of refs when backward reaches it (backward.cpp's commit_backward).
 
 #include "common.h"
 
@@ -148,6 +149,7 @@ int saved_ref_clear(SavedRef* self) {
 
 void saved_ref_dealloc(SavedRef* self) {
   PyObject_GC_UnTrack(self);
+  if (self->weakreflist != nullptr) PyObject_ClearWeakRefs(reinterpret_cast<PyObject*>(self));
   saved_ref_clear(self);
   self->layout.~ViewLayout();
   Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
@@ -166,6 +168,7 @@ PyObject* new_saved_ref(PyObject* tensor, PyObject* group, PyObject* point) {
   ref->point = point;
   ref->entry = nullptr;
   ref->unpacked = 0;
+  ref->weakreflist = nullptr;
   new (&ref->layout) ViewLayout();  // PyObject_GC_New does not construct C++ members
   PyObject_GC_Track(ref);
   return reinterpret_cast<PyObject*>(ref);
@@ -180,6 +183,28 @@ PyObject* saved_ref_new(PyTypeObject*, PyObject* args, PyObject* kwargs) {
   return new_saved_ref(tensor, group, point);
 }
 
+// handler._release_refs: the group's list of saved refs emptied, a weak reference to each that still holds its
+// tensor added to group.let_go (1, or -1 with an error set)
+int release_refs(PyObject* group) {
+  Ref refs(getattr_fast(group, s_refs));
+  Ref let_go(refs ? getattr_fast(group, s_let_go) : nullptr);
+  if (!let_go) return -1;
+  if (!PyList_Check(refs.get()) || !PyList_Check(let_go.get())) {
+    PyErr_SetString(PyExc_TypeError, "group.refs and group.let_go must be lists");
+    return -1;
+  }
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(refs.get()); ++i) {
+    PyObject* ref = PyList_GET_ITEM(refs.get(), i);
+    Ref tensor(Py_TYPE(ref) == &SavedRefType ? nullptr : get_attr(ref, MCO_NAME("tensor")));
+    PyObject* held = Py_TYPE(ref) == &SavedRefType ? reinterpret_cast<SavedRef*>(ref)->tensor : tensor.get();
+    if (held == nullptr && PyErr_Occurred()) return -1;
+    if (held == nullptr || held == Py_None) continue;
+    Ref weak(PyWeakref_NewRef(ref, nullptr));
+    if (!weak || PyList_Append(let_go.get(), weak.get()) < 0) return -1;
+  }
+  return PyList_SetSlice(refs.get(), 0, PY_SSIZE_T_MAX, nullptr) == 0 ? 1 : -1;
+}
+
 // SavedRefType filled in, readied and added to the module as "SavedRef" (hook_types_ready calls this once)
 bool saved_ref_type_ready(PyObject* module) {
   SavedRefType.tp_name = "mcore_offload_native.SavedRef";
@@ -191,6 +216,7 @@ bool saved_ref_type_ready(PyObject* module) {
   SavedRefType.tp_traverse = reinterpret_cast<traverseproc>(saved_ref_traverse);
   SavedRefType.tp_clear = reinterpret_cast<inquiry>(saved_ref_clear);
   SavedRefType.tp_members = saved_ref_members;
+  SavedRefType.tp_weaklistoffset = offsetof(SavedRef, weakreflist);
   SavedRefType.tp_getset = saved_ref_getset;
   return PyType_Ready(&SavedRefType) == 0 &&
          PyModule_AddObjectRef(module, "SavedRef", reinterpret_cast<PyObject*>(&SavedRefType)) == 0;
