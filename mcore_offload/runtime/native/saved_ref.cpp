@@ -195,9 +195,10 @@ int release_refs(PyObject* group) {
   }
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(refs.get()); ++i) {
     PyObject* ref = PyList_GET_ITEM(refs.get(), i);
-    Ref tensor(Py_TYPE(ref) == &SavedRefType ? nullptr : get_attr(ref, MCO_NAME("tensor")));
-    PyObject* held = Py_TYPE(ref) == &SavedRefType ? reinterpret_cast<SavedRef*>(ref)->tensor : tensor.get();
-    if (held == nullptr && PyErr_Occurred()) return -1;
+    bool native = Py_TYPE(ref) == &SavedRefType;
+    Ref tensor(native ? nullptr : get_attr(ref, MCO_NAME("tensor")));  // a Python SavedRef's
+    if (!native && !tensor) return -1;
+    PyObject* held = native ? reinterpret_cast<SavedRef*>(ref)->tensor : tensor.get();
     if (held == nullptr || held == Py_None) continue;
     Ref weak(PyWeakref_NewRef(ref, nullptr));
     if (!weak || PyList_Append(let_go.get(), weak.get()) < 0) return -1;
