@@ -54,11 +54,6 @@ PyObject* s_free;
 PyObject* s_release_host;
 PyObject* s_split_chains;
 
-int set_long(PyObject* obj, PyObject* name, long value) {
-  Ref v(PyLong_FromLong(value));
-  return v ? setattr_fast(obj, name, v.get()) : -1;
-}
-
 // obj.<name> = [] (a new list, as the Python code assigns)
 int set_empty_list(PyObject* obj, PyObject* name) {
   Ref v(PyList_New(0));

@@ -131,6 +131,8 @@ class Ref {
 int64_t now_ns();
 // obj.<name> += delta (-1 on a Python error): the counters the Python code keeps (runtime_ns, parameters, users)
 int add_to_attr(PyObject* obj, PyObject* name, int64_t delta);
+// obj.<name> = value (0, or -1 with an error set). module.cpp
+int set_long(PyObject* obj, PyObject* name, long value);
 // summary_calls.cpp: the C++ paths' host-time clock (summary.native_clock; see there for why)
 struct RuntimeClock {
   PyObject_HEAD

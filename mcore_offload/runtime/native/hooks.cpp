@@ -231,7 +231,7 @@ PyObject* rebuild_view(SavedRef* ref, PyObject* device_storage) {
 int first_read(SavedRef* ref, PyObject* storage) {
   ref->unpacked = 1;
   long left = attr_long(ref->entry, s_awaiting);
-  if ((left == -1 && PyErr_Occurred()) || add_to_attr(ref->entry, s_awaiting, -1) < 0) return -1;
+  if ((left == -1 && PyErr_Occurred()) || set_long(ref->entry, s_awaiting, left - 1) < 0) return -1;
   if (left != 1) return 0;
   Ref weak(PyWeakref_NewRef(storage, nullptr));
   return weak && setattr_fast(ref->entry, s_reloaded_ref, weak.get()) == 0 &&

@@ -63,6 +63,11 @@ int add_to_attr(PyObject* obj, PyObject* name, int64_t delta) {
   return rc;
 }
 
+int set_long(PyObject* obj, PyObject* name, long value) {
+  Ref v(PyLong_FromLong(value));
+  return v ? setattr_fast(obj, name, v.get()) : -1;
+}
+
 namespace {
 bool name_ok(PyObject* name) {
   if (name != nullptr) return true;
