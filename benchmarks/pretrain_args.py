@@ -42,6 +42,8 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     a("--moe-permute-fusion", action="store_true", help="TE's fused MoE token (un)permutation")
     a("--recompute-granularity", default=None, choices=["full", "selective"])
     a("--recompute-modules", nargs="*", default=None)
+    a("--recompute-method", default=None, choices=["uniform", "block"], help="with --recompute-granularity full")
+    a("--recompute-num-layers", type=int, default=None, help="with --recompute-granularity full")
     a("--fp8", default=None, choices=["e4m3", "hybrid"], help="TransformerEngine FP8 (GPU)")
     a("--fp8-recipe", default="delayed", choices=["delayed", "tensorwise", "mxfp8", "blockwise"])
     a("--attention-backend", default="auto", choices=["auto", "flash", "fused", "unfused", "local"],

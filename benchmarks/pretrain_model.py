@@ -32,6 +32,7 @@ def build_config(args):
         bias_activation_fusion=te, masked_softmax_fusion=False, bias_dropout_fusion=te,
         gradient_accumulation_fusion=False, use_cpu_initialization=not torch.cuda.is_available(),
         recompute_granularity=args.recompute_granularity, recompute_modules=args.recompute_modules,
+        recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
         transformer_impl=args.transformer_impl,
     )
     # only when asked: the config fields' defaults are what every run before session 57 used, and a release

@@ -52,7 +52,7 @@ def validate_offload_modules(modules: Sequence[str]) -> list[str]:
     return names
 
 
-def _full_recompute_of_every_layer(config: Any) -> bool:
+def full_recompute_of_every_layer(config: Any) -> bool:
     """Whether megatron's full recompute checkpoints every layer of every model chunk."""
     if getattr(config, "recompute_granularity", None) != "full":
         return False
@@ -66,6 +66,14 @@ def _full_recompute_of_every_layer(config: Any) -> bool:
         getattr(config, "virtual_pipeline_model_parallel_size", None) or 1)
     per_chunk = -(-int(config.num_layers) // chunks)
     return int(getattr(config, "recompute_num_layers", 0) or 0) >= per_chunk
+
+
+def full_recompute_message(method: str | None) -> str:
+    """The one-sentence refusal of offloading under full recompute of every layer."""
+    return ("fine_grained_activation_offloading has nothing to offload when full recompute covers every layer "
+            f"(recompute_granularity='full', recompute_method={method!r}: no layer's forward saves activations, "
+            "and recompute in backward is never offloaded); use selective recompute, recompute_method='block' "
+            "with fewer layers, or turn offloading off.")
 
 
 def selectively_recomputed(config: Any) -> set[str]:
@@ -160,13 +168,8 @@ def validate_offload_config(config: Any) -> None:
             "offloading) cannot be enabled together; set cpu_offloading=False."
         )
 
-    if _full_recompute_of_every_layer(config):
-        raise ValueError(
-            "fine_grained_activation_offloading has nothing to offload when full recompute covers every layer "
-            f"(recompute_granularity='full', recompute_method={config.recompute_method!r}: no layer's forward "
-            "saves activations, and recompute in backward is never offloaded); use selective recompute, "
-            "recompute_method='block' with fewer layers, or turn offloading off."
-        )
+    if full_recompute_of_every_layer(config):
+        raise ValueError(full_recompute_message(config.recompute_method))
     graphs = [f for f in ("enable_cuda_graph", "external_cuda_graph") if getattr(config, f, False)]
     if getattr(config, "cuda_graph_impl", "none") not in (None, "none"):
         graphs.append(f"cuda_graph_impl={config.cuda_graph_impl!r}")

@@ -287,6 +287,24 @@ def test_selective_recompute_with_the_neighbouring_points_offloaded_equal_loss(t
         assert all(got.get(p, 0) > 0 for p in named), got
 
 
+def test_block_full_recompute_of_the_first_layers_equal_loss_and_the_planners_bytes(tmp_path):
+    """Full recompute of the first two of four layers (block method, TE spec): the checkpointed layers move
+    nothing (their forward runs without grad, their recompute inside backward), the others what the planner
+    projects from the run's flags; core_attn and attn_proj are compared as a sum (the runtime counts their shared
+    storage under core_attn, docs/plan.md)."""
+    from tests.test_plan_validation import _plan, plan_argv
+
+    flags = f"{SMALL} --recompute-granularity full --recompute-method block --recompute-num-layers 2"
+    for r in peak_memory(tmp_path, "A", ["core_attn", "qkv_linear+core_attn+attn_proj"], flags):
+        args = json.loads((tmp_path / "A" / f"{r['run']}.json").read_text())["args"]
+        assert args["recompute_method"] == "block"
+        projected = _plan(tuple(plan_argv(args))).offloaded_per_step(r["offload_modules"])[0]
+        got = r["offloaded_bytes_by_point"]
+        pair = ("core_attn", "attn_proj")
+        assert sum(got.get(p, 0) for p in pair) == sum(projected.get(p, 0) for p in pair) > 0, (got, projected)
+        assert got.get("qkv_linear", 0) == projected.get("qkv_linear", 0), (got, projected)
+
+
 @pytest.mark.parametrize(("config", "nproc"), [("E-tp2sp", 2), ("E-ep2", 2), ("E-pp2vpp2tp2", 4)])
 def test_parallel_layouts_equal_loss_and_every_rank_lower(tmp_path, config, nproc):
     sets = ["expert_fc1+moe_act"] if config == "E-ep2" else ["core_attn", "qkv_linear+core_attn+attn_proj"]

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from mcore_offload.summary import get_summary
-from tests.harness.gpt import init_parallel
-from tests.test_offload_megatron import assert_bitwise, offload, train
+from tests.harness.gpt import build_dense_gpt, build_moe_gpt, init_parallel, run_steps
+from tests.test_offload_megatron import DENSE_POINTS, MOE_POINTS, assert_bitwise, offload, train
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
@@ -95,3 +95,32 @@ def test_saved_tensor_hooks_around_checkpoint_without_output_lose_its_input_grad
     expected = 3.0 * (1 - torch.tanh(torch.linspace(-1.0, 1.0, 8)) ** 2)
     assert torch.allclose(grad_of_input(False), expected)
     assert grad_of_input(True) is None
+
+
+def _bytes_per_point(moe: bool, layers: int, overrides: dict[str, Any]) -> dict[str, int]:
+    build = build_moe_gpt if moe else build_dense_gpt
+    chunks = build(num_layers=layers, config_overrides=overrides)
+    run_steps(chunks, n_steps=2, num_microbatches=2, seq_len=16, micro_batch_size=2, lr=0.1)
+    last = get_summary().last_step
+    assert last is not None
+    return {name: counts["offloaded"] for name, counts in last.points.items()}
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_block_recompute_of_the_first_layers_offloads_the_others_bitwise_equal(moe):
+    """Full recompute with ``recompute_method='block'`` checkpoints the first ``recompute_num_layers`` layers of
+    each chunk: their forward runs without grad (no offload point opens) and their recompute runs inside backward
+    (never offloaded), so only the other layers move. With one of three layers checkpointed, each point moves
+    exactly what the middle layer moves without recompute (three layers less two: at PP = 1 the last layer stays
+    on the device), and loss and gradients equal the same recompute without offloading."""
+    points = MOE_POINTS if moe else DENSE_POINTS
+    block = dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1)
+    base = train(moe, block)
+    got = train(moe, {**block, **offload(*points)})
+    assert_bitwise(base, got)
+    moved = _bytes_per_point(moe, 3, {**block, **offload(*points)})
+    three = _bytes_per_point(moe, 3, offload(*points))
+    two = _bytes_per_point(moe, 2, offload(*points))
+    middle = {p: three[p] - two[p] for p in points}
+    assert all(middle[p] > 0 for p in points), middle
+    assert moved == middle

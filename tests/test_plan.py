@@ -269,9 +269,53 @@ def test_recompute_interaction():
     # the norms' checkpoints keep their inputs (refused points); their outputs (qkv's input) are discarded
     assert norms.points["attn_norm"].offloaded_bytes == norms.points["mlp_norm"].offloaded_bytes == 0
     assert "refused" in norms.points["mlp_norm"].note and norms.points["qkv_linear"].offloaded_bytes == 0
-    full = acts(DENSE, (), False, granularity="full")
+    full = layer_activations(DENSE, ParallelLayout(), training(recompute_granularity="full"), moe=False,
+                             checkpoint="input")
     assert all(p.offloaded_bytes == 0 for p in full.points.values())
     assert full.total_bytes == 16 * MIB
+    assert full.recomputed_bytes == layer_activations(DENSE, ParallelLayout(), training(), moe=False).total_bytes
+
+
+def test_block_recompute_checkpoints_the_first_layers_of_each_chunk():
+    """megatron-core's block method checkpoints the first recompute_num_layers layers of every model chunk:
+    they keep only their input (16 MiB here) and move nothing; the rest offload as without recompute (the
+    chunk's first offloading layer is not its first layer, so qkv_linear moves its whole 32 MiB there)."""
+    plain = plan_for(DENSE)
+    block = plan_for(DENSE, recompute_granularity="full", recompute_method="block", recompute_num_layers=2)
+    assert list(block.layers) == ["dense", "dense rc"]
+    full_layer = block.layers["dense"].total_bytes
+    assert block.layers["dense rc"].total_bytes == 16 * MIB
+    assert block.layers["dense rc"].recomputed_bytes == full_layer
+    # PP = 1: layers 2..14 of each of the 2 microbatches move; the last one turns around on the device
+    per_step = block.offloaded_per_step(("qkv_linear", "core_attn"))[0]
+    assert per_step == {"qkv_linear": 2 * 13 * 32 * MIB, "core_attn": 2 * 13 * 48 * MIB}
+    assert moved(block, ("core_attn",)) == [13 * 48.0]
+    assert plain.timelines[0].baseline_bytes - block.timelines[0].baseline_bytes == 2 * (full_layer - 16 * MIB)
+    assert any("block of 2" in w for w in block.warnings)
+    # interleaved: every chunk checkpoints its own first two layers
+    layout = ParallelLayout(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+    pp = plan_for(DENSE, layout, num_microbatches=8, recompute_granularity="full", recompute_method="block",
+                  recompute_num_layers=2)
+    assert [len(c.layers) for r in pp.ranks for c in r.chunks] == [4] * 4
+    assert all(c.kinds == {"dense rc": 2, "dense": 2} for r in pp.ranks for c in r.chunks)
+
+
+def test_uniform_recompute_keeps_one_input_a_unit_and_recomputes_the_unit_in_backward():
+    """uniform with 4 layers a unit: 4 checkpoints keep their inputs, the 12 layers inside them nothing; the
+    backward of the last unit first recomputes its 4 layers (3 whole layers plus the working set of the 4th)."""
+    plan = plan_for(DENSE, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=4)
+    assert list(plan.layers) == ["dense rc", "dense rc+"]
+    assert plan.layers["dense rc+"].total_bytes == 0
+    full_layer = plan.layers["dense rc"].recomputed_bytes
+    timeline = plan.timelines[0]
+    start = [i for i in timeline.instants if i.kind == "backward start"]
+    assert [i.base_bytes for i in start] == [4 * 16 * MIB + int(4.25 * full_layer)]
+    assert timeline.offloaded_per_step(("core_attn",)) == {"core_attn": 0}
+    assert any("checkpoints every layer" in w for w in plan.warnings)
+    args = build_parser().parse_args(["plan", "--preset", "llama3-8b", "--recompute-granularity", "full",
+                                      "--recompute-method", "uniform", "--recompute-num-layers", "4"])
+    training_spec = config_from_args(args)[0].training
+    assert (training_spec.recompute_method, training_spec.recompute_num_layers) == ("uniform", 4)
 
 
 def test_recompute_is_flagged_in_the_output(capsys):
@@ -368,6 +412,16 @@ def test_memory_target_drives_the_recommendation():
     (["--preset", "llama3-8b", "--tensor-model-parallel-size", "16"],
      r"--num-query-groups \(8\) is not divisible by --tensor-model-parallel-size \(16\)"),
     (["--preset", "llama3-8b", "--memory-target-gib", "-3"], r"--memory-target-gib must be a positive number"),
+    (["--preset", "llama3-8b", "--recompute-granularity", "full"],
+     r"full needs --recompute-method \(uniform or block\) and --recompute-num-layers"),
+    (["--preset", "llama3-8b", "--recompute-granularity", "full", "--recompute-method", "block",
+      "--recompute-num-layers", "0"], r"--recompute-num-layers must be a positive number of layers, got 0"),
+    (["--preset", "llama3-8b", "--recompute-granularity", "full", "--recompute-method", "uniform",
+      "--recompute-num-layers", "1", "--offload-modules", "core_attn"],
+     r"nothing to offload when full recompute covers every layer .*recompute_method='uniform'"),
+    (["--preset", "llama3-8b", "--pipeline-model-parallel-size", "4", "--recompute-granularity", "full",
+      "--recompute-method", "block", "--recompute-num-layers", "8", "--offload-modules", "core_attn"],
+     r"nothing to offload when full recompute covers every layer .*recompute_method='block'"),
 ])
 def test_bad_input_is_one_clear_sentence(argv, message, capsys):
     assert main(["plan", *argv]) == 2

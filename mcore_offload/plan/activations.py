@@ -104,6 +104,11 @@ class LayerActivations:
     points: Mapping[str, PointEstimate]
     saved: tuple[Storage, ...]
     notes: tuple[str, ...]
+    #: Under full recompute: ``"input"`` (the layer starts a checkpoint and keeps only its input) or
+    #: ``"inner"`` (a later layer of a checkpoint of several: keeps nothing); None: not recomputed.
+    checkpoint: str | None = None
+    #: What a checkpointed layer's recompute brings back in backward: the saved bytes of the same layer unrecomputed.
+    recomputed_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -150,16 +155,26 @@ class _Builder:
 
 
 def layer_activations(model: ModelSpec, layout: ParallelLayout, training: TrainingSpec,
-                      moe: bool) -> LayerActivations:
-    """Describe one layer; ``moe`` selects the MoE MLP block (else the dense MLP)."""
+                      moe: bool, checkpoint: str | None = None) -> LayerActivations:
+    """Describe one layer; ``moe`` selects the MoE MLP block (else the dense MLP); ``checkpoint`` is the
+    layer's role under full recompute (:meth:`TrainingSpec.checkpoint_role`), None for a layer without it."""
     b = _Builder(training.dtype_bytes, training.min_offloaded_tensor_size, [], {}, [])
     tokens = training.seq_length * training.micro_batch_size
-    if training.full_recompute:
-        b.keep("layer input (full-recompute checkpoint)", tokens * model.hidden_size / layout.seq_shards)
+    kind = "moe" if moe else "dense"
+    if checkpoint is not None:
+        if checkpoint not in ("input", "inner"):
+            raise ValueError(f"unknown checkpoint role {checkpoint!r}: use 'input', 'inner' or None")
+        # megatron-core's CheckpointFunction runs the layers under no_grad (no point opens) and saves only the
+        # checkpoint's input; the recompute runs inside backward, where the runtime never offloads
+        if checkpoint == "input":
+            b.keep("layer input (full-recompute checkpoint)", tokens * model.hidden_size / layout.seq_shards,
+                   chunk_input=True)
+        what = ("its forward saves nothing but its input" if checkpoint == "input"
+                else "inside a checkpoint of several layers, it saves nothing")
         for name in OFFLOAD_MODULES:
-            b.nothing(name, "full recompute: the layer's forward saves nothing but its input")
-        b.notes.append("full recompute (every layer, uniform, 1 layer per checkpoint): offloading moves nothing")
-        return LayerActivations("moe" if moe else "dense", dict(b.points), tuple(b.saved), tuple(b.notes))
+            b.nothing(name, f"full recompute: {what}")
+        full = layer_activations(model, layout, training, moe).total_bytes
+        return LayerActivations(kind, dict(b.points), tuple(b.saved), tuple(b.notes), checkpoint, full)
     _attention(b, model, layout, training, tokens)
     if moe:
         _moe_mlp(b, model, layout, training, tokens)
@@ -171,7 +186,7 @@ def layer_activations(model: ModelSpec, layout: ParallelLayout, training: Traini
         b.keep("hidden dropout masks (two, one byte an element)", 2 * tokens * model.hidden_size / layout.seq_shards,
                itemsize=1)
     points = {name: b.points[name] for name in OFFLOAD_MODULES}
-    return LayerActivations("moe" if moe else "dense", points, tuple(b.saved), tuple(b.notes))
+    return LayerActivations(kind, points, tuple(b.saved), tuple(b.notes))
 
 
 def _norm_point(b: _Builder, name: str, norm_input: Storage, te_fused: bool, what: str, validated: bool,

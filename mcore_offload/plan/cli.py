@@ -77,6 +77,10 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--transformer-impl", choices=["transformer_engine", "local"], default="transformer_engine")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     g.add_argument("--recompute-modules", nargs="*", default=[])
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
+                   help="with --recompute-granularity full: uniform checkpoints every layer, block the first "
+                        "--recompute-num-layers of each model chunk")
+    g.add_argument("--recompute-num-layers", type=int, default=None)
     g.add_argument("--offload-modules", nargs="+", default=[], metavar="POINT",
                    help=f"the set to evaluate next to the planner's own: {', '.join(OFFLOAD_MODULES)}")
     g.add_argument("--min-offloaded-tensor-size", type=int, default=DEFAULT_MIN_OFFLOADED_TENSOR_SIZE)
@@ -197,6 +201,8 @@ def config_from_args(args: argparse.Namespace) -> tuple[PlanConfig, list[str]]:
                             dtype=dtype, transformer_impl=args.transformer_impl,
                             recompute_granularity=args.recompute_granularity,
                             recompute_modules=tuple(args.recompute_modules),
+                            recompute_method=args.recompute_method,
+                            recompute_num_layers=args.recompute_num_layers,
                             offload_modules=tuple(args.offload_modules),
                             min_offloaded_tensor_size=args.min_offloaded_tensor_size,
                             deterministic=args.deterministic_mode, moe_permute_fusion=args.moe_permute_fusion,

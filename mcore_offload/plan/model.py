@@ -15,6 +15,8 @@ from dataclasses import dataclass, replace
 from mcore_offload.config import (
     DEFAULT_MIN_OFFLOADED_TENSOR_SIZE,
     OFFLOAD_MODULES,
+    full_recompute_message,
+    full_recompute_of_every_layer,
     recompute_conflict_message,
     recompute_conflicts,
     validate_offload_modules,
@@ -141,6 +143,10 @@ class TrainingSpec:
     transformer_impl: str = "transformer_engine"
     recompute_granularity: str | None = None
     recompute_modules: tuple[str, ...] = ()
+    # full recompute: "uniform" checkpoints every layer in units of recompute_num_layers, "block" only the first
+    # recompute_num_layers layers of each model chunk (megatron-core's TransformerBlock._checkpointed_forward)
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
     offload_modules: tuple[str, ...] = ()
     min_offloaded_tensor_size: int = DEFAULT_MIN_OFFLOADED_TENSOR_SIZE
     # Megatron-LM's --deterministic-mode: megatron-core's unfused MoE unpermute then adds with index_add_, whose
@@ -174,6 +180,17 @@ class TrainingSpec:
     @property
     def full_recompute(self) -> bool:
         return self.recompute_granularity == "full"
+
+    def checkpoint_role(self, index: int) -> str | None:
+        """Under full recompute, what the ``index``-th layer of a model chunk keeps: ``"input"`` (it starts a
+        checkpoint, which saves its input), ``"inner"`` (a later layer of a uniform checkpoint: nothing), or None
+        (it runs without recompute). Without a method, every layer is its own checkpoint (uniform, 1)."""
+        if not self.full_recompute:
+            return None
+        n = self.recompute_num_layers or 1
+        if self.recompute_method == "block":
+            return "input" if index < n else None
+        return "input" if index % n == 0 else "inner"
 
 
 # Public architecture numbers (model cards / HF configs). All five train in bf16 with SwiGLU and untied
@@ -373,6 +390,20 @@ def _validate_uneven(layers: int, pp: int, vpp: int, first: int | None, last: in
                         f"other {middle_stages} stage(s) x VPP {vpp}; adjust the first/last stage layer counts.")
 
 
+class _RunConfig:
+    """The TransformerConfig fields that mcore_offload.config's recompute check reads, from the planner's specs."""
+
+    def __init__(self, model: ModelSpec, layout: ParallelLayout, training: TrainingSpec) -> None:
+        self.recompute_granularity = training.recompute_granularity
+        self.recompute_method = training.recompute_method
+        self.recompute_num_layers = training.recompute_num_layers
+        self.num_layers = model.num_layers
+        self.pipeline_model_parallel_size = layout.pp
+        self.virtual_pipeline_model_parallel_size = layout.vpp
+        self.num_layers_in_first_pipeline_stage = layout.decoder_first_pipeline_num_layers
+        self.num_layers_in_last_pipeline_stage = layout.decoder_last_pipeline_num_layers
+
+
 def _validate_training(model: ModelSpec, layout: ParallelLayout, training: TrainingSpec) -> None:
     if training.dtype not in DTYPE_BYTES:
         raise PlanError(f"Unknown dtype {training.dtype!r}: use bf16, fp16 or fp32.")
@@ -384,6 +415,14 @@ def _validate_training(model: ModelSpec, layout: ParallelLayout, training: Train
     if training.recompute_granularity not in (None, "full", "selective"):
         raise PlanError(f"Unknown --recompute-granularity {training.recompute_granularity!r}: use full or "
                         "selective.")
+    if training.recompute_method not in (None, "uniform", "block"):
+        raise PlanError(f"Unknown --recompute-method {training.recompute_method!r}: use uniform or block.")
+    layers = training.recompute_num_layers
+    if layers is not None and (not isinstance(layers, int) or isinstance(layers, bool) or layers < 1):
+        raise PlanError(f"--recompute-num-layers must be a positive number of layers, got {layers!r}.")
+    if training.full_recompute and (training.recompute_method is None or layers is None):
+        raise PlanError("--recompute-granularity full needs --recompute-method (uniform or block) and "
+                        "--recompute-num-layers, as megatron-core does; add both.")
     unknown = [m for m in training.recompute_modules if m not in RECOMPUTE_MODULES]
     if unknown:
         raise PlanError(f"Unknown --recompute-modules {unknown}: choose from {', '.join(RECOMPUTE_MODULES)}.")
@@ -395,6 +434,8 @@ def _validate_training(model: ModelSpec, layout: ParallelLayout, training: Train
     except ValueError as exc:
         raise PlanError(str(exc)) from None
     # the same refusals as a real run's config validation (mcore_offload/config.py)
+    if training.offload_modules and full_recompute_of_every_layer(_RunConfig(model, layout, training)):
+        raise PlanError(full_recompute_message(training.recompute_method))
     for point, module in recompute_conflicts(training.recomputed).items():
         if point in training.offload_modules:
             raise PlanError(recompute_conflict_message(point, module))

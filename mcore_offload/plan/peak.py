@@ -90,6 +90,8 @@ class ChunkLayers:
     #: Per point, what the first layer would move more if its input were not held elsewhere at the flush: what
     #: a second look copies out (``point_bytes`` leaves it out).
     held_bytes: Mapping[str, int] = field(default_factory=dict)
+    #: The backward's working set when the chunk's backward reaches its last layer (:func:`chunk_layers`).
+    backward_work: int = 0
 
     def bytes(self, modules: Iterable[str], layer: int | None = None) -> int:
         """Bytes ``modules`` offloads from one layer (``layer``) or from the whole chunk."""
@@ -185,13 +187,29 @@ def _reloaded(chunk: ChunkLayers, modules: tuple[str, ...], kept: bool) -> int:
     return reloaded + next((b for b in candidates if b > 0), 0)
 
 
+def backward_work(layers: Sequence[LayerActivations]) -> int:
+    """The working set when backward reaches the last of ``layers``: ``BACKWARD_WORKING_SET`` x its saved bytes;
+    if it is under full recompute, its checkpoint first recomputes every layer of the checkpoint (each back at its
+    unrecomputed size) and the backward then starts on the last of them."""
+    if not layers:
+        return 0
+    last = layers[-1]
+    if last.checkpoint is None:
+        return int(BACKWARD_WORKING_SET * last.total_bytes)
+    start = len(layers) - 1  # back to the layer that starts the last checkpoint
+    while start > 0 and layers[start].checkpoint == "inner":
+        start -= 1
+    unit = len(layers) - start
+    return int((unit - 1 + BACKWARD_WORKING_SET) * last.recomputed_bytes)
+
+
 def chunk_layers(layers: Sequence[LayerActivations]) -> ChunkLayers:
     """A model chunk made of ``layers`` (in order; the first one is the chunk's first layer)."""
     held = {m: layers[0].point_bytes(m) - layers[0].point_bytes(m, first=True) for m in OFFLOAD_MODULES} \
         if layers else {}
     return ChunkLayers(
         tuple({m: acts.point_bytes(m, first=i == 0) for m in OFFLOAD_MODULES} for i, acts in enumerate(layers)),
-        tuple(acts.total_bytes for acts in layers), held)
+        tuple(acts.total_bytes for acts in layers), held, backward_work(layers))
 
 
 def rank_timeline(rank: int, pp: int, chunks: Sequence[ChunkLayers], num_microbatches: int, logits_bytes: int,
@@ -216,7 +234,7 @@ def rank_timeline(rank: int, pp: int, chunks: Sequence[ChunkLayers], num_microba
             own = (prev.chunk, prev.microbatch) == (op.chunk, op.microbatch)
             fwd_loss = prev.chunk == loss_chunk
             bwd_loss = op.chunk == loss_chunk
-            work = int(BACKWARD_WORKING_SET * chunks[op.chunk].saved_bytes[-1])
+            work = chunks[op.chunk].backward_work
             candidates = (
                 Instant(FORWARD_END, tuple(in_flight), prev.chunk, own,
                         resident + (logits_bytes if fwd_loss else 0) + (losses - fwd_loss) * loss_saved_bytes,

@@ -58,6 +58,15 @@ ATTENTION_SET = ("qkv_linear", "core_attn", "attn_proj")
 MOE_SET = ("expert_fc1", "moe_act")
 
 
+#: Kind-name suffix of a layer under full recompute (its checkpoint role): it keeps its input, or nothing.
+_ROLE_SUFFIX = {None: "", "input": " rc", "inner": " rc+"}
+
+
+def _kind_order(kind: str) -> tuple[bool, str]:
+    """Layers without recompute first (the report's first column), then by name."""
+    return (kind.endswith(("rc", "rc+")), kind)
+
+
 @dataclass(frozen=True)
 class PlanConfig:
     """Everything the planner needs; ``memory_target_gib`` is per rank, against the projected total."""
@@ -208,17 +217,22 @@ def build_plan(config: PlanConfig) -> Plan:
         raise PlanError(f"--memory-target-gib must be a positive number, got {config.memory_target_gib!r}; "
                         "pass the per-rank budget in GiB.")
     moe_layers = model.moe_layers()
-    kinds = {"moe" if m else "dense" for m in moe_layers}
-    layers = {k: layer_activations(model, layout, training, moe=k == "moe") for k in sorted(kinds)}
-    fwd = {k: forward_seconds(layer_forward_flops(model, layout, training, k == "moe"), hw, training.dtype)
+    assignment = layer_assignment(model.num_layers, layout)
+    # a layer's kind: its MLP block, and under full recompute its place in a checkpoint (block recompute
+    # checkpoints the first layers of every chunk, so the role follows the layer's index in its chunk)
+    roles = {i: training.checkpoint_role(j) for chunks in assignment for rng in chunks for j, i in enumerate(rng)}
+    kind_of = {i: ("moe" if moe_layers[i] else "dense") + _ROLE_SUFFIX[roles[i]] for i in range(model.num_layers)}
+    specs = {kind_of[i]: (moe_layers[i], roles[i]) for i in range(model.num_layers)}
+    layers = {k: layer_activations(model, layout, training, moe=specs[k][0], checkpoint=specs[k][1])
+              for k in sorted(specs, key=_kind_order)}
+    fwd = {k: forward_seconds(layer_forward_flops(model, layout, training, specs[k][0]), hw, training.dtype)
            for k in layers}
     costs = {k: LayerCost({m: acts.points[m].offloaded_bytes for m in OFFLOAD_MODULES}, fwd[k])
              for k, acts in layers.items()}
 
     def kind(layer: int) -> str:
-        return "moe" if moe_layers[layer] else "dense"
+        return kind_of[layer]
 
-    assignment = layer_assignment(model.num_layers, layout)
     peaks = [peak_layers(chunks, layout.pp, r, training.num_microbatches) for r, chunks in enumerate(assignment)]
     offloaded = []
     for peak in peaks:
@@ -299,6 +313,15 @@ def _warnings(config: PlanConfig, layers: Mapping[str, LayerActivations], sets: 
         out.append("--sequence-parallel has no effect with TP=1 (Megatron-LM turns it off)")
     if training.recompute_modules and training.recompute_granularity != "selective":
         out.append("--recompute-modules only applies with --recompute-granularity selective")
+    if (training.recompute_method or training.recompute_num_layers) and not training.full_recompute:
+        out.append("--recompute-method and --recompute-num-layers only apply with --recompute-granularity full")
+    if all(acts.checkpoint for acts in layers.values()):
+        out.append("full recompute checkpoints every layer: each keeps at most its input, and offloading moves "
+                   "nothing (a run refuses offloading here)")
+    elif any(acts.checkpoint for acts in layers.values()):
+        out.append(f"full recompute, block of {training.recompute_num_layers}: the first "
+                   f"{training.recompute_num_layers} layer(s) of each model chunk keep only their input and move "
+                   "nothing (kinds marked rc); the others offload as usual")
     if not training.te:
         out.append("local spec: bytes per point validated at TP = 1 only; its backward working set is TE's "
                    "(peaks came out 1.7-5 % high), and the s^2 probabilities can outrun the link: a set whose "

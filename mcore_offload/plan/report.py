@@ -39,6 +39,8 @@ def _header(plan: Plan) -> list[str]:
     recompute = tr.recompute_granularity or "none"
     if tr.recompute_granularity == "selective":
         recompute += " " + ",".join(sorted(tr.recomputed))
+    elif tr.full_recompute:
+        recompute += f" {tr.recompute_method or 'uniform'} {tr.recompute_num_layers or 1}"
     switches = "".join(f", {name}" for name, on in (("deterministic", tr.deterministic),
                                                      ("fused permute", tr.moe_permute_fusion and m.num_experts),
                                                      ("unfused RoPE", m.rope and not tr.rope_fusion),
