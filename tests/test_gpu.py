@@ -292,13 +292,13 @@ def test_block_full_recompute_of_the_first_layers_equal_loss_and_the_planners_by
     nothing (their forward runs without grad, their recompute inside backward), the others what the planner
     projects from the run's flags; core_attn and attn_proj are compared as a sum (the runtime counts their shared
     storage under core_attn, docs/plan.md)."""
-    from tests.test_plan_validation import _plan, plan_argv
+    from tests.harness.plan_args import plan_of_run
 
     flags = f"{SMALL} --recompute-granularity full --recompute-method block --recompute-num-layers 2"
     for r in peak_memory(tmp_path, "A", ["core_attn", "qkv_linear+core_attn+attn_proj"], flags):
         args = json.loads((tmp_path / "A" / f"{r['run']}.json").read_text())["args"]
         assert args["recompute_method"] == "block"
-        projected = _plan(tuple(plan_argv(args))).offloaded_per_step(r["offload_modules"])[0]
+        projected = plan_of_run(args).offloaded_per_step(r["offload_modules"])[0]
         got = r["offloaded_bytes_by_point"]
         pair = ("core_attn", "attn_proj")
         assert sum(got.get(p, 0) for p in pair) == sum(projected.get(p, 0) for p in pair) > 0, (got, projected)

@@ -32,15 +32,19 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 
 import pytest
 
-from mcore_offload.cli import build_parser
-from mcore_offload.plan import Plan, build_plan
-from mcore_offload.plan.cli import config_from_args
+from mcore_offload.plan import Plan
 from mcore_offload.plan.peak import RankTimeline
+
+try:
+    from tests.harness.plan_args import _plan, plan_argv, plan_of_run
+except ModuleNotFoundError:  # imported with only tests/ on sys.path, as session 56's predict.py does
+    from harness.plan_args import _plan, plan_argv, plan_of_run
+
+__all__ = ["_plan", "plan_argv", "plan_of_run"]  # the predict.py scripts of sessions 56-57 import the first two
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -148,49 +152,8 @@ PREDICTED_MEASUREMENTS = load_predicted_measurements()
 ALL_MEASUREMENTS = MEASUREMENTS + SECOND_LOOK_MEASUREMENTS + PREDICTED_MEASUREMENTS
 
 
-def plan_argv(args: dict) -> list[str]:
-    """``mcore-offload plan`` flags for a run of benchmarks/pretrain_gpt.py (its ``args``)."""
-    argv = ["plan"]
-    for key in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                "vocab_size", "seq_length", "micro_batch_size", "num_microbatches", "tensor_model_parallel_size",
-                "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-                "num_layers_per_virtual_pipeline_stage", "expert_model_parallel_size", "num_experts",
-                "moe_router_topk", "moe_ffn_hidden_size", "transformer_impl", "recompute_granularity",
-                "recompute_method", "recompute_num_layers", "min_offloaded_tensor_size"):
-        if args.get(key) is not None and not (key == "moe_router_topk" and not args.get("num_experts")):
-            argv += [f"--{key.replace('_', '-')}", str(args[key])]
-    for key in ("recompute_modules", "offload_modules"):
-        if args.get(key):
-            argv += [f"--{key.replace('_', '-')}", *args[key]]
-    if args.get("sequence_parallel"):
-        argv.append("--sequence-parallel")
-    if args.get("bf16"):
-        argv.append("--bf16")
-    if args.get("deterministic"):  # pretrain_gpt.py's --deterministic: torch's deterministic algorithms
-        argv.append("--deterministic-mode")
-    if not args.get("rope_fusion"):  # pretrain_gpt.py keeps TransformerConfig's apply_rope_fusion=False unless asked
-        argv.append("--no-rope-fusion")
-    if args["transformer_impl"] == "local":  # pretrain_gpt.py: learned absolute positions, masked_softmax_fusion=False
-        argv += ["--position-embedding-type", "learned_absolute", "--no-masked-softmax-fusion"]
-    if args.get("moe_permute_fusion"):
-        argv.append("--moe-permute-fusion")
-    for key in ("hidden_dropout", "attention_dropout"):  # pretrain_gpt.py: 0 unless asked (no flag before s56)
-        argv += [f"--{key.replace('_', '-')}", str(args.get(key) or 0.0)]
-    # pretrain_gpt.py: gated_linear_unit (SwiGLU) with the TE spec, share_embeddings_and_output_weights=False
-    if args["transformer_impl"] == "transformer_engine":
-        argv.append("--swiglu")
-    argv.append("--untie-embeddings-and-output-weights")
-    return argv
-
-
-@cache
-def _plan(argv: tuple[str, ...]) -> Plan:
-    config, _ = config_from_args(build_parser().parse_args(list(argv)))
-    return build_plan(config)
-
-
 def plan_for(m: Measurement) -> Plan:
-    return _plan(tuple(plan_argv(m.args)))
+    return plan_of_run(m.args)
 
 
 def timeline_for(m: Measurement) -> RankTimeline:
@@ -345,6 +308,6 @@ def test_a_block_recompute_run_moves_what_the_planner_projects(tmp_path):
     runs = [json.loads(p.read_text())["args"] for p in tmp_path.glob("*.json")]
     args = next(a for a in runs if a["fine_grained_activation_offloading"])
     assert args["recompute_method"] == "block"
-    projected = _plan(tuple(plan_argv(args))).offloaded_per_step(points)[0]
+    projected = plan_of_run(args).offloaded_per_step(points)[0]
     measured = {p: row["offloaded"] for p, row in ours["offload"]["last_step"].items()}
     assert all(projected[p] > 0 for p in points) and measured == projected
