@@ -97,13 +97,18 @@ def test_saved_tensor_hooks_around_checkpoint_without_output_lose_its_input_grad
     assert grad_of_input(True) is None
 
 
-def _bytes_per_point(moe: bool, layers: int, overrides: dict[str, Any]) -> dict[str, int]:
-    build = build_moe_gpt if moe else build_dense_gpt
-    chunks = build(num_layers=layers, config_overrides=overrides)
-    run_steps(chunks, n_steps=2, num_microbatches=2, seq_len=16, micro_batch_size=2, lr=0.1)
+def _last_step_bytes() -> dict[str, int]:
     last = get_summary().last_step
     assert last is not None
     return {name: counts["offloaded"] for name, counts in last.points.items()}
+
+
+def _bytes_per_point(moe: bool, layers: int, overrides: dict[str, Any]) -> dict[str, int]:
+    """Bytes per point of one step of 2 microbatches (as ``train``'s steps) on a model of ``layers`` layers."""
+    build = build_moe_gpt if moe else build_dense_gpt
+    chunks = build(num_layers=layers, config_overrides=overrides)
+    run_steps(chunks, n_steps=2, num_microbatches=2, seq_len=16, micro_batch_size=2, lr=0.1)
+    return _last_step_bytes()
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
@@ -116,9 +121,9 @@ def test_block_recompute_of_the_first_layers_offloads_the_others_bitwise_equal(m
     points = MOE_POINTS if moe else DENSE_POINTS
     block = dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1)
     base = train(moe, block)
-    got = train(moe, {**block, **offload(*points)})
+    got = train(moe, {**block, **offload(*points)})  # three layers, two microbatches a step
     assert_bitwise(base, got)
-    moved = _bytes_per_point(moe, 3, {**block, **offload(*points)})
+    moved = _last_step_bytes()
     three = _bytes_per_point(moe, 3, offload(*points))
     two = _bytes_per_point(moe, 2, offload(*points))
     middle = {p: three[p] - two[p] for p in points}
