@@ -13,6 +13,10 @@ The fixtures are the committed results (read, never written):
 * ``benchmarks/results/planner-fused-paths-session57/call1``, ``call3``: 1 x H200, TE's fused RoPE and fused
   QKV RoPE (A's model at 8 layers, attention set) and C with fused RoPE (all five), predicted before they ran
   (the local spec's runs there: tests/test_plan_measurements.py).
+* ``benchmarks/results/releases-block-peaks-session61``: 1 x H200, the current runtime: A at 4 layers under full
+  recompute by block (the first 2 layers checkpointed; predicted in session 60 before it ran) and C at 4 layers
+  (experts, all five) on megatron-core 0.15.0, 0.15.1 and 0.15.2, and C with ``layernorm moe_act`` recomputed on
+  0.15.3 (the planner of d6e72a2, unchanged since, compared after the runs).
 
 Those ran the runtime before its second look (commit 0055084, ``runtime/second_look.py``) and are checked against
 ``RankTimeline.without_second_look()``. ``benchmarks/results/issue5-session39/runs/da3`` (2 x H200, D-dense with
@@ -73,6 +77,17 @@ PREDICTED_RUNS = tuple(
             ("call1/P2-dense-qkvrope-attn-det", "call1/F2-dense-qkvrope-det", "A at 8 layers, fused QKV RoPE"),
             ("call3/P6-moe-ropefusion-all5-det", "call3/F6-moe-ropefusion-det", "C, fused RoPE"))))
     for run, base, label in runs)
+#: peak_memory.py folders of session 61 (results.json, baseline and ours in separate processes): folder, source, note.
+S61 = "releases-block-peaks-session61"
+BLOCK = "pt/test_block_full_recompute_of_t0/A"
+SESSION61_FOLDERS = (
+    *((f"{S61}/releases/{v}/{BLOCK}", f"s61 {v}", "4 layers, block recompute of 2, predicted before it ran")
+      for v in ("0.15.0", "0.15.2")),
+    *((f"{S61}/releases/{v}/{c}", f"s61 {v}", "4 layers, compared after it ran")
+      for v, c in (("0.15.0", "C"), ("0.15.1", "C_rerun"), ("0.15.2", "C"))),
+    (f"{S61}/moe_recompute/pt/test_selective_recompute_with_0/C", "s61",
+     "4 layers, layernorm moe_act recomputed, compared after it ran"),
+)
 
 
 @dataclass(frozen=True)
@@ -101,9 +116,10 @@ class Measurement:
         return self.config if self.source == "issue4" else f"{self.config} ({self.source}, {self.note})"
 
 
-def load_measurements() -> list[Measurement]:
+def load_measurements(folders=MATRIX, source: str = "issue4", note: str = "", second_look: bool = False
+                      ) -> list[Measurement]:
     out = []
-    for folder in MATRIX:
+    for folder in folders:
         doc = json.loads((RESULTS / folder / "results.json").read_text())
         for row in doc["rows"]:
             if row["impl"] != "ours":
@@ -111,8 +127,13 @@ def load_measurements() -> list[Measurement]:
             args = json.loads((RESULTS / folder / f"{row['run']}.json").read_text())["args"]
             out.append(Measurement(row["config"], tuple(row["offload_modules"]), row["rank"],
                                    row["delta_peak_bytes"], row["host_resident_bytes_at_peak"],
-                                   dict(row["offloaded_bytes_by_point"]), args))
+                                   dict(row["offloaded_bytes_by_point"]), args, second_look, source, note))
     return out
+
+
+def load_session61_measurements() -> list[Measurement]:
+    return [m for folder, source, note in SESSION61_FOLDERS
+            for m in load_measurements((folder,), source, note, second_look=True)]
 
 
 def offloaded_by_point(rank_row: dict) -> dict[str, int]:
@@ -148,7 +169,7 @@ def load_predicted_measurements() -> list[Measurement]:
 
 MEASUREMENTS = load_measurements()  # the issue-4 matrix, without the second look
 SECOND_LOOK_MEASUREMENTS = load_second_look_measurements()
-PREDICTED_MEASUREMENTS = load_predicted_measurements()
+PREDICTED_MEASUREMENTS = load_predicted_measurements() + load_session61_measurements()
 ALL_MEASUREMENTS = MEASUREMENTS + SECOND_LOOK_MEASUREMENTS + PREDICTED_MEASUREMENTS
 
 
@@ -270,6 +291,13 @@ def test_predicted_runs_kept_the_loss_bitwise(path, base):
     row = json.loads((RESULTS / path).read_text())["ranks"][0]
     plain = json.loads((RESULTS / base).read_text())["ranks"][0]
     assert len(row["loss_hex"]) == 3 and row["loss_hex"] == plain["loss_hex"]
+
+
+@pytest.mark.parametrize("folder", [folder for folder, _, _ in SESSION61_FOLDERS])
+def test_session61_runs_kept_the_loss_bitwise(folder):
+    """peak_memory.py's loss_equal: every step's loss of each offloaded run equals its baseline's, bit for bit."""
+    rows = json.loads((RESULTS / folder / "results.json").read_text())["rows"]
+    assert len(rows) == 3 and all(row["loss_equal"] for row in rows)
 
 
 def markdown() -> str:

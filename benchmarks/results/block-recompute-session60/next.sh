@@ -2,6 +2,7 @@
 # For the next session with one GPU (written in session 60, not yet run): what session 60's calls had no device time
 # for. After the four staging calls, carrying .gpu/w:
 #   bash benchmarks/results/block-recompute-session60/next.sh
+# Ran in session 61, split: releases-block-peaks-session61/call1.sh (part 1) and moe_recompute.sh (part 2).
 # 1. the peaks of full recompute by block, against NEXT-PREDICTIONS.md (A at 16 layers, block of 4; A at 4 layers,
 #    block of 2, whose JSON did not come back in call 1): peak_memory.py, baseline and ours in separate processes;
 # 2. the MoE selective-recompute GPU test, whose second set did not run in session 60.
