@@ -1,10 +1,12 @@
 """``mcore-offload`` command line: ``mcore-offload patch {apply,check,revert,status} [--megatron-path DIR]`` and
-``mcore-offload plan ...`` (project an offloaded run's per-rank peak memory before launching it) and
+``mcore-offload plan ...`` (project an offloaded run's per-rank peak memory before launching it),
+``mcore-offload measure`` (this machine's host link and GEMM rate, for ``plan --hardware-json``) and
 ``mcore-offload build-native`` (compile the C++ saved-tensor hooks ahead of a run)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from collections.abc import Sequence
@@ -49,6 +51,30 @@ def _build_native(args: argparse.Namespace) -> int:
     return 0
 
 
+def _measure(args: argparse.Namespace) -> int:
+    from mcore_offload.plan.measure import format_measured, measure
+    from mcore_offload.plan.model import PlanError
+
+    try:
+        measured = measure(args.copy_mib, args.iters, args.gemm_size, args.device)
+    except PlanError as exc:
+        print(f"mcore-offload measure: {exc}", file=sys.stderr)
+        return 2
+    print(format_measured(measured), end="")
+    if args.json_out is None:
+        print("add --json-out PATH to plan with these rates: mcore-offload plan --hardware-json PATH ...")
+        return 0
+    try:
+        with open(args.json_out, "w") as f:
+            json.dump(measured.to_json(), f, indent=2)
+    except OSError as exc:
+        print(f"mcore-offload measure: cannot write {args.json_out} ({exc.strerror}); pass a writable --json-out "
+              "path.", file=sys.stderr)
+        return 1
+    print(f"wrote {args.json_out}; plan with it: mcore-offload plan --hardware-json {args.json_out} ...")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mcore-offload", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -58,6 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="directory holding megatron/core (default: the installed megatron-core)")
     patch.set_defaults(func=_patch)
     add_plan_parser(sub)
+    meas = sub.add_parser("measure", help="time this GPU's pinned host copies and bf16 GEMM for plan --hardware-json")
+    meas.add_argument("--json-out", metavar="PATH", default=None, help="write the rates for plan --hardware-json")
+    meas.add_argument("--copy-mib", type=int, default=256, help="bytes of each pinned copy, MiB (default 256)")
+    meas.add_argument("--iters", type=int, default=20, help="timed copies and GEMMs of each kind (default 20)")
+    meas.add_argument("--gemm-size", type=int, default=8192, help="n of the n x n x n bf16 GEMM (default 8192)")
+    meas.add_argument("--device", type=int, default=None, help="CUDA device index (default the current one)")
+    meas.set_defaults(func=_measure)
     build = sub.add_parser("build-native", help="compile the C++ saved-tensor hooks now (runs build them on first use)")
     build.add_argument("--verbose", action="store_true", help="show the compiler's output")
     build.set_defaults(func=_build_native)

@@ -196,6 +196,23 @@ def test_cuda_reloaded_storages_go_with_their_last_reader(monkeypatch, hooks):
     assert len(layer1) == 2 and [notes[True][k] for k in layer1] == [notes[False][k] for k in layer1], notes
 
 
+def test_measure_times_the_link_and_the_gemm_and_plan_takes_the_file(tmp_path):
+    """``mcore-offload measure``: rates a PCIe Gen4/5 or C2C host link and a data-centre GPU can give (wide bounds:
+    the test is that the timing works, not a number), both directions at once no slower than one, and the file
+    plans."""
+    from mcore_offload.cli import main
+    from mcore_offload.plan.measure import load_measured
+
+    path = tmp_path / "hw.json"
+    assert main(["measure", "--json-out", str(path), "--iters", "10"]) == 0
+    m = load_measured(path)
+    assert 5 < m.d2h_gbps < 1000 and 5 < m.h2d_gbps < 1000, m
+    assert 0.9 * max(m.d2h_gbps, m.h2d_gbps) <= m.both_gbps <= 1.1 * (m.d2h_gbps + m.h2d_gbps), m
+    assert 20 < m.dense_tflops < 5000 and m.memory_gib > 10, m
+    assert m.name == torch.cuda.get_device_name()
+    assert main(["plan", "--preset", "llama3-8b", "--seq-length", "8192", "--hardware-json", str(path)]) == 0
+
+
 # ------------------------------------------------------------------------ megatron runs (peak_memory)
 def peak_memory(tmp_path, config: str, sets: list[str], extra: str = "", iters: int = 10, nproc: int = 1):
     if torch.cuda.device_count() < nproc:

@@ -10,7 +10,8 @@ import dataclasses
 import sys
 
 from mcore_offload.config import DEFAULT_MIN_OFFLOADED_TENSOR_SIZE, OFFLOAD_MODULES
-from mcore_offload.plan.hardware import get_hardware, gpu_names
+from mcore_offload.plan.hardware import Hardware, get_hardware, gpu_names, with_link_overrides
+from mcore_offload.plan.measure import load_measured
 from mcore_offload.plan.model import (
     POSITION_EMBEDDING_TYPES,
     ModelSpec,
@@ -98,7 +99,9 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
 
 def _output_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("hardware and output")
-    g.add_argument("--gpu", default="h100", help=f"{', '.join(gpu_names())} (default h100)")
+    g.add_argument("--gpu", default=None, help=f"{', '.join(gpu_names())} (default h100)")
+    g.add_argument("--hardware-json", metavar="PATH", default=None,
+                   help="the machine as 'mcore-offload measure --json-out PATH' measured it (instead of --gpu)")
     g.add_argument("--link-gbps", type=float, default=None, help="host link GB/s, each direction")
     g.add_argument("--link-both-gbps", type=float, default=None, help="host link GB/s, both directions at once")
     g.add_argument("--tflops", type=float, default=None, help="dense bf16 GEMM TFLOP/s")
@@ -209,12 +212,22 @@ def config_from_args(args: argparse.Namespace) -> tuple[PlanConfig, list[str]]:
                             rope_fusion=args.rope_fusion, masked_softmax_fusion=args.masked_softmax_fusion,
                             hidden_dropout=_dropout(args.hidden_dropout, args.preset),
                             attention_dropout=_dropout(args.attention_dropout, args.preset))
-    hw = get_hardware(args.gpu, args.link_gbps, args.link_both_gbps, args.tflops)
+    hw = _hardware(args)
     if not 0 <= args.max_exposed_percent <= 100:
         raise PlanError(f"--max-exposed-percent must lie between 0 and 100, got {args.max_exposed_percent:g}; "
                         "the default is 2.")
     config = PlanConfig(model, layout, training, hw, args.memory_target_gib, args.max_exposed_percent / 100)
     return config, [note] if note else []
+
+
+def _hardware(args: argparse.Namespace) -> Hardware:
+    overrides = (args.link_gbps, args.link_both_gbps, args.tflops)
+    if args.hardware_json is None:
+        return get_hardware(args.gpu or "h100", *overrides)
+    if args.gpu is not None:
+        raise PlanError(f"pass either --gpu {args.gpu} or --hardware-json, not both: the measured file already "
+                        "describes the GPU.")
+    return with_link_overrides(load_measured(args.hardware_json).hardware(), *overrides)
 
 
 def run_plan(args: argparse.Namespace) -> int:

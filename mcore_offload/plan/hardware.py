@@ -69,7 +69,14 @@ def get_hardware(name: str, link_gbps: float | None = None, link_both_gbps: floa
         hw = _GPUS[name]
     except KeyError:
         raise PlanError(f"Unknown GPU {name!r}: choose one of {', '.join(_GPUS)} "
-                        "(use --link-gbps / --tflops to describe another).") from None
+                        "(use --link-gbps / --tflops to describe another, or measure it with "
+                        "'mcore-offload measure').") from None
+    return with_link_overrides(hw, link_gbps, link_both_gbps, tflops)
+
+
+def with_link_overrides(hw: Hardware, link_gbps: float | None = None, link_both_gbps: float | None = None,
+                        tflops: float | None = None) -> Hardware:
+    """``hw`` with plan's --link-gbps / --link-both-gbps / --tflops applied, each noted in its source."""
     for flag, value in (("--link-gbps", link_gbps), ("--link-both-gbps", link_both_gbps), ("--tflops", tflops)):
         if value is not None and not value > 0:
             raise PlanError(f"{flag} must be a positive number, got {value!r}; pass a rate above 0.")
