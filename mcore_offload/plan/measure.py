@@ -144,7 +144,7 @@ def _timed(work: list, iters: int) -> float:
 
 
 def format_measured(m: MeasuredHardware) -> str:
-    """The table ``mcore-offload measure`` prints, and the plan flags that describe the same machine."""
+    """What ``mcore-offload measure`` prints: the machine, how it was timed, and the rates."""
     lines = [f"{m.name}, torch {m.torch_version}: {m.copy_mib} MiB pinned copies x{m.iters}, "
              f"bf16 GEMM {m.gemm_size}^3 x{m.iters}",
              f"  D2H {m.d2h_gbps:.1f} GB/s   H2D {m.h2d_gbps:.1f} GB/s   both directions {m.both_gbps:.1f} GB/s",
