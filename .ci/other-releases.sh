@@ -6,8 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
-TESTS="tests/test_patch_tooling.py tests/test_config.py tests/test_offload_megatron.py tests/test_offload_recompute.py
-       tests/test_offload_parallel.py tests/test_cpu_harness_pp.py"
+TESTS="tests/test_patch_tooling.py tests/test_config.py tests/test_megatron_args.py tests/test_offload_megatron.py
+       tests/test_offload_recompute.py tests/test_offload_parallel.py tests/test_cpu_harness_pp.py"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 versions=("$@")

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 
+from mcore_offload.megatron_args import add_offload_args
+
 
 def parse_args(argv: list[str] | None = None, description: str | None = None) -> argparse.Namespace:
     """``pretrain_gpt.py``'s flags (Megatron-LM's spelling), checked, with the derived defaults filled in."""
@@ -50,9 +52,7 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
       help="TE attention backend, as in Megatron-LM (sets NVTE_FLASH_ATTN / NVTE_FUSED_ATTN)")
     a("--eval-interval", type=int, default=0, help="every K training steps run a forward-only evaluation")
     a("--eval-iters", type=int, default=2, help="microbatches per evaluation")
-    a("--fine-grained-activation-offloading", action="store_true")
-    a("--offload-modules", nargs="*", default=[])
-    a("--min-offloaded-tensor-size", type=int, default=1024 * 1024)
+    add_offload_args(p)  # the three flags as Megatron-LM scripts get them
     a("--audit-offloaded", action="store_true",
       help="after every step, check in bytes that no offloaded storage was a parameter, main_grad or TE FP8 "
            "weight workspace (ours only; JSON field 'audit')")
