@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,13 +87,9 @@ def test_chained_providers_run_in_order_and_skip_none():
 
 def test_the_benchmark_script_takes_the_same_flags():
     """benchmarks/pretrain_args.py adds them through add_offload_args: one definition."""
-    import importlib.util
-    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import pretrain_args
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "pretrain_args.py"
-    spec = importlib.util.spec_from_file_location("pretrain_args_under_test", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    args = module.parse_args(["--fine-grained-activation-offloading", "--offload-modules", "core_attn"])
+    args = pretrain_args.parse_args(["--fine-grained-activation-offloading", "--offload-modules", "core_attn"])
     assert args.fine_grained_activation_offloading and args.offload_modules == ["core_attn"]
     assert args.min_offloaded_tensor_size == 1024 * 1024
