@@ -230,14 +230,11 @@ def build_plan(config: PlanConfig) -> Plan:
     costs = {k: LayerCost({m: acts.points[m].offloaded_bytes for m in OFFLOAD_MODULES}, fwd[k])
              for k, acts in layers.items()}
 
-    def kind(layer: int) -> str:
-        return kind_of[layer]
-
     peaks = [peak_layers(chunks, layout.pp, r, training.num_microbatches) for r, chunks in enumerate(assignment)]
     offloaded = []
     for peak in peaks:
-        count = Counter(kind(layer) for layer in peak.resident)
-        count[kind(peak.turning_layer)] -= 1
+        count = Counter(kind_of[layer] for layer in peak.resident)
+        count[kind_of[peak.turning_layer]] -= 1
         offloaded.append(dict(count))
     statics = [_static_bytes(config, r, chunks, moe_layers) for r, chunks in enumerate(assignment)]
     vocab = padded_vocab(model, layout)
@@ -251,7 +248,7 @@ def build_plan(config: PlanConfig) -> Plan:
     embedding_mask = tokens * model.hidden_size // layout.seq_shards if training.hidden_dropout > 0 else 0
 
     def rank_chunks(r: int, chunks: tuple[range, ...]) -> list[ChunkLayers]:
-        out = [chunk_layers([layers[kind(i)] for i in rng]) for rng in chunks]
+        out = [chunk_layers([layers[kind_of[i]] for i in rng]) for rng in chunks]
         if r == 0 and embedding_mask and out[0].saved_bytes:
             first = out[0]
             out[0] = replace(first, saved_bytes=(first.saved_bytes[0] + embedding_mask, *first.saved_bytes[1:]))
@@ -280,7 +277,7 @@ def build_plan(config: PlanConfig) -> Plan:
 
     ranks = []
     for r, chunks in enumerate(assignment):
-        chunk_plans = tuple(ChunkPlan(c, rng, dict(Counter(kind(i) for i in rng)), peaks[r].forward_chunks.count(c))
+        chunk_plans = tuple(ChunkPlan(c, rng, dict(Counter(kind_of[i] for i in rng)), peaks[r].forward_chunks.count(c))
                             for c, rng in enumerate(chunks))
         act = {s.label: baseline[r] - freed[s.label][r] for s in sets}
         where = {s.label: timelines[r].binding_instant(s.modules).label for s in sets}
