@@ -47,10 +47,11 @@ _GPUS: Mapping[str, Hardware] = types.MappingProxyType({
     # Measured on an H100 SXM 80GB (PCIe Gen5 x16 host link): pinned copies and a large bf16 GEMM.
     "h100": Hardware("h100", 789.0, LinkSpeed(54.9, 54.5, 86.0), 79.6,
                      "H100 SXM, measured: pinned D2H 54.9, H2D 54.5, both 86 GB/s; bf16 GEMM 789 TFLOP/s"),
-    # Same GH100 die, clocks and PCIe Gen5 link as the H100: the H100 measurements stand in. The spec sheet
-    # gives 989 TFLOP/s dense bf16 for both parts; only HBM size and bandwidth differ.
-    "h200": Hardware("h200", 789.0, LinkSpeed(54.9, 54.5, 86.0), 140.4,
-                     "H200, taken from the H100 measurements (same link and die; spec 989 TFLOP/s dense bf16)"),
+    # Measured on GPU 0 of a 2x H200 host (PCIe Gen5 x16) with `mcore-offload measure`, session 62
+    # (benchmarks/results/measure-h200-session62). Both directions together run faster than on the H100 host
+    # (101 against 86 GB/s); each direction and the GEMM match it. Memory as nvidia-smi reports it, as for h100.
+    "h200": Hardware("h200", 790.0, LinkSpeed(55.3, 55.5, 101.0), 140.4,
+                     "H200, measured: pinned D2H 55.3, H2D 55.5, both 101 GB/s; bf16 GEMM 790 TFLOP/s"),
     # Spec sheet only, not measured: NVLink-C2C to Grace memory, dense bf16 per Blackwell GPU, 186 GB HBM3e.
     "gb200": Hardware("gb200", 2500.0, LinkSpeed(450.0, 450.0, 900.0), 173.2,
                       "GB200, spec sheet: NVLink-C2C 450 GB/s each way, 900 both; 2.5 PFLOP/s dense bf16"),
