@@ -78,6 +78,9 @@ CONFIGS: dict[str, Config] = {
     # Issue-6 layouts (compatibility): loss equality and lower peaks with TP+SP, EP (alltoall), PP x VPP x TP.
     "E-tp2sp": Config(f"{DENSE_A} {PP1} --num-microbatches 4 --tensor-model-parallel-size 2 --sequence-parallel",
                       [["core_attn"], ATTN], nproc=2, description="A's model at TP=2 with sequence parallel, 2 GPUs"),
+    "E-pp2": Config(f"{DENSE_A} {PP1} --num-microbatches 8 --pipeline-model-parallel-size 2",
+                    [["core_attn"], ATTN], nproc=2,
+                    description="A's model at PP=2 without VPP (plain 1F1B), 8 microbatches, 2 GPUs"),
     "E-ep2": Config(f"{MOE_C} {PP1} --num-microbatches 4 --expert-model-parallel-size 2 "
                     "--moe-token-dispatcher-type alltoall", [EXPERTS, ATTN + EXPERTS], nproc=2,
                     description="C's model at EP=2 (alltoall dispatcher), 2 GPUs"),

@@ -15,7 +15,8 @@ case $what in
     pm --config A --train-iters 200 --out "$out/200steps" ;;                    # after-step memory, pinned flat
   2gpu)
     pm --config E-tp2sp --out "$out/tp2sp"
-    pm --config E-ep2 --out "$out/ep2" ;;
+    pm --config E-ep2 --out "$out/ep2"
+    pm --config E-pp2 --out "$out/pp2" ;;                                        # plain 1F1B
   4gpu)
     pm --config E-pp2vpp2tp2 --out "$out/pp2vpp2tp2" ;;
 esac
