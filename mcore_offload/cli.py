@@ -56,7 +56,7 @@ def _measure(args: argparse.Namespace) -> int:
     from mcore_offload.plan.model import PlanError
 
     try:
-        measured = measure(args.copy_mib, args.iters, args.gemm_size, args.device)
+        measured = measure(args.copy_mib, args.iters, args.gemm_size, args.device, args.all_gpus)
     except PlanError as exc:
         print(f"mcore-offload measure: {exc}", file=sys.stderr)
         return 2
@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     meas.add_argument("--iters", type=int, default=20, help="timed copies and GEMMs of each kind (default 20)")
     meas.add_argument("--gemm-size", type=int, default=8192, help="n of the n x n x n bf16 GEMM (default 8192)")
     meas.add_argument("--device", type=int, default=None, help="CUDA device index (default the current one)")
+    meas.add_argument("--all-gpus", action="store_true",
+                      help="time every visible GPU's copies at once, as a training job's ranks copy, and keep each "
+                           "rate's lowest (4 pinned host buffers of --copy-mib per GPU)")
     meas.set_defaults(func=_measure)
     build = sub.add_parser("build-native", help="compile the C++ saved-tensor hooks now (runs build them on first use)")
     build.add_argument("--verbose", action="store_true", help="show the compiler's output")

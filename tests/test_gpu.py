@@ -213,6 +213,27 @@ def test_measure_times_the_link_and_the_gemm_and_plan_takes_the_file(tmp_path):
     assert main(["plan", "--preset", "llama3-8b", "--seq-length", "8192", "--hardware-json", str(path)]) == 0
 
 
+def test_measure_all_gpus_times_every_gpu_at_once_and_keeps_the_lowest(tmp_path):
+    """``mcore-offload measure --all-gpus``: one rate triple per visible GPU, each of the file's rates the lowest of
+    them (on one GPU: one GPU's measurement, with no per-GPU list)."""
+    from mcore_offload.cli import main
+    from mcore_offload.plan.measure import load_measured
+
+    path = tmp_path / "hw_all.json"
+    assert main(["measure", "--all-gpus", "--json-out", str(path), "--iters", "10"]) == 0
+    m = load_measured(path)
+    n = torch.cuda.device_count()
+    assert m.devices == n
+    if n > 1:
+        assert len(m.per_device_gbps) == n
+        for i, field in enumerate(("d2h_gbps", "h2d_gbps", "both_gbps")):
+            assert getattr(m, field) == min(rates[i] for rates in m.per_device_gbps), m
+            assert all(5 < rates[i] < 1000 for rates in m.per_device_gbps), m
+    else:
+        assert m.per_device_gbps == ()
+    assert 5 < m.d2h_gbps < 1000 and 5 < m.h2d_gbps < 1000, m
+
+
 # ------------------------------------------------------------------------ megatron runs (peak_memory)
 def peak_memory(tmp_path, config: str, sets: list[str], extra: str = "", iters: int = 10, nproc: int = 1):
     if torch.cuda.device_count() < nproc:

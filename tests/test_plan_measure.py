@@ -13,7 +13,7 @@ import torch
 from mcore_offload.cli import build_parser, main
 from mcore_offload.plan import build_plan
 from mcore_offload.plan.cli import config_from_args
-from mcore_offload.plan.measure import FORMAT, MeasuredHardware, load_measured
+from mcore_offload.plan.measure import FORMAT, MeasuredHardware, format_measured, load_measured
 
 PLAN = ["plan", "--preset", "llama3-8b", "--seq-length", "8192", "--num-microbatches", "4"]
 
@@ -72,8 +72,10 @@ def test_without_a_file_the_default_gpu_is_still_h100():
     ({"format": FORMAT, "d2h_gbps": 1.0}, [], r"lacks fields or has unknown ones"),
     ({**measured().to_json(), "both_gbps": -4.0}, [], r"holds a rate that is not a positive number"),
     ({**measured().to_json(), "memory_gib": "94"}, [], r"holds a rate that is not a positive number"),
+    ({**measured().to_json(), "devices": 2, "per_device_gbps": [[25.0, 24.0, 40.0], [0.0, 24.0, 40.0]]}, [],
+     r"holds a rate that is not a positive number"),
     (measured().to_json(), ["--gpu", "h200"], r"pass either --gpu h200 or --hardware-json, not both"),
-], ids=["missing", "not-json", "foreign", "fields", "negative", "string", "with-gpu"])
+], ids=["missing", "not-json", "foreign", "fields", "negative", "string", "per-device", "with-gpu"])
 def test_a_bad_hardware_file_is_one_clear_sentence(tmp_path, capsys, doc, extra, message):
     path = str(tmp_path / "missing.json") if doc is None else write(tmp_path, doc)
     assert main([*PLAN, "--hardware-json", path, *extra]) == 2
@@ -96,3 +98,31 @@ def test_measure_without_a_gpu_says_what_to_do_instead(tmp_path, capsys):
     assert err == ("mcore-offload measure: measuring needs a CUDA GPU and none is visible here; run it on the "
                    "machine you plan for, or describe that machine to plan with --gpu, --link-gbps and --tflops.")
     assert not out.exists()
+
+
+def test_measure_refuses_all_gpus_with_one_device_before_looking_for_a_gpu(capsys):
+    assert main(["measure", "--all-gpus", "--device", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("mcore-offload measure: --all-gpus times every visible GPU at once and --device picks one of "
+                   "them; pass only one (limit --all-gpus with CUDA_VISIBLE_DEVICES).")
+
+
+def test_a_file_of_gpus_copying_at_once_plans_with_the_lowest_rates_and_keeps_each(tmp_path, capsys):
+    """``measure --all-gpus``: each of the file's link rates is the lowest over the GPUs (what every rank can count
+    on when all copy at once), each GPU's rates travel beside them, and the plan says how they were measured."""
+    m = measured(d2h_gbps=20.0, devices=2, per_device_gbps=((25.0, 24.0, 40.0), (20.0, 24.0, 41.0)))
+    path = write(tmp_path, m.to_json())
+    assert load_measured(path) == m
+    hw = config_of([*PLAN, "--hardware-json", path]).hardware
+    assert hw.link.d2h_gbps == 20.0 and "2 GPUs copying at once, each rate the lowest" in hw.source
+    text = format_measured(m)
+    assert "(each the lowest of 2 GPUs copying at once)" in text
+    assert "GPU 1: D2H 20.0   H2D 24.0   both 41.0 GB/s" in text
+
+
+def test_a_file_from_before_all_gpus_still_loads_as_one_gpu(tmp_path):
+    """Files written before ``--all-gpus`` existed lack its two fields; they are one GPU's measurements."""
+    doc = {k: v for k, v in measured().to_json().items() if k not in ("devices", "per_device_gbps")}
+    m = load_measured(write(tmp_path, doc))
+    assert m == measured() and m.devices == 1 and m.per_device_gbps == ()
+    assert "at once" not in format_measured(m) and "at once" not in m.hardware().source
