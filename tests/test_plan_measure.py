@@ -74,8 +74,10 @@ def test_without_a_file_the_default_gpu_is_still_h100():
     ({**measured().to_json(), "memory_gib": "94"}, [], r"holds a rate that is not a positive number"),
     ({**measured().to_json(), "devices": 2, "per_device_gbps": [[25.0, 24.0, 40.0], [0.0, 24.0, 40.0]]}, [],
      r"holds a rate that is not a positive number"),
+    ({**measured().to_json(), "devices": 3, "per_device_gbps": [[25.0, 24.0, 40.0]]}, [],
+     r"says devices 3 but holds per-GPU rates for 1 \(none for one GPU\)"),
     (measured().to_json(), ["--gpu", "h200"], r"pass either --gpu h200 or --hardware-json, not both"),
-], ids=["missing", "not-json", "foreign", "fields", "negative", "string", "per-device", "with-gpu"])
+], ids=["missing", "not-json", "foreign", "fields", "negative", "string", "per-device", "gpu-count", "with-gpu"])
 def test_a_bad_hardware_file_is_one_clear_sentence(tmp_path, capsys, doc, extra, message):
     path = str(tmp_path / "missing.json") if doc is None else write(tmp_path, doc)
     assert main([*PLAN, "--hardware-json", path, *extra]) == 2

@@ -9,7 +9,7 @@ Every rate is bytes (or FLOPs) over the CUDA-event time of ``iters`` back-to-bac
 the host copies use pinned memory, as the runtime's pool does.
 
 ``--all-gpus`` times every visible GPU's copies at once, as every rank of a training job copies at once: GPUs that
-share a PCIe switch, a root port or the host's memory bandwidth each get less than one GPU alone. The file then
+share a PCIe switch, a root port or the host's memory bandwidth may each get less than one GPU alone. The file then
 holds each rate's lowest over the GPUs, what every rank can count on, and every GPU's rates beside them.
 """
 
@@ -89,6 +89,10 @@ def load_measured(path: str | Path) -> MeasuredHardware:
     if not all(isinstance(r, (int, float)) and r > 0 for r in rates):
         raise PlanError(f"--hardware-json {path} holds a rate that is not a positive number; measure again with "
                         "'mcore-offload measure --json-out PATH'.")
+    n = measured.devices
+    if not (isinstance(n, int) and n >= 1 and len(per_device) == (n if n > 1 else 0)):
+        raise PlanError(f"--hardware-json {path} says devices {n!r} but holds per-GPU rates for {len(per_device)} "
+                        "(none for one GPU); measure again with 'mcore-offload measure --json-out PATH'.")
     return measured
 
 
