@@ -4,7 +4,12 @@
 #   [BUDGET=seconds] bash benchmarks/gpu/issue6_pytest.sh OUTDIR [pytest -k expression]
 set -u
 out=${1:?outdir}; mkdir -p "$out"
-MCORE_OFFLOAD_MEGATRON=/root/mc-0.15.3 timeout "${BUDGET:-100000}" python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -rfs --tb=short \
+bash benchmarks/gpu/clear_build_locks.sh
+# timeout signals its whole process group, so a test's import may die inside megatron's extension build: its lock
+# would stall every later import (clear_build_locks.sh says why), hence the second clearing after the run; -v names
+# each test as it ends, so a run that BUDGET stops still says which passed
+MCORE_OFFLOAD_MEGATRON=/root/mc-0.15.3 timeout --kill-after=10 "${BUDGET:-100000}" python3 -m pytest -v -m gpu tests/test_gpu.py -p no:cacheprovider -rfs --tb=short \
   --basetemp "$out/pt" ${2:+-k "$2"} 2>&1 | tee "$out/pytest.txt" | tail -30
+sleep 2 && bash benchmarks/gpu/clear_build_locks.sh
 cd "$out" && find pt -name "*.json" -o -name "*.md" -o -name "*.log" | tar czf results.tgz -T - pytest.txt
 rm -rf pt
