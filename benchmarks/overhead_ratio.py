@@ -3,6 +3,12 @@ third of native's overhead" line), from the JSON of two alternating runs (``--al
 
     python benchmarks/overhead_ratio.py OURS.json NATIVE.json [--limit 0.3333] [--json-out FILE]
     python benchmarks/overhead_ratio.py --plot OUT.png ROWS.json ...   # a picture of earlier --json-out files
+    python benchmarks/overhead_ratio.py --overhead RUN.json ... [--line-pct 2]   # one variant's pooled overhead
+
+``--overhead`` reads the given alternating runs as one variant (ours, or a floor such as ``dmaload``), pools their
+pairs per rank and judges the median paired overhead on its bootstrap interval against a percent line (issue 5's
+"≤ +2 %"): ``under`` where the upper end is at or under it, ``above`` where the lower end is over it, ``unresolved``
+otherwise.
 
 Window runs (``--offload-from-step S --offload-first-steps K``: plain steps, then offloaded ones, in one process;
 ``offload_stop.py``) are compared the same way, their overhead taken against the plain steps before offloading first
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -27,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from offload_stop import over_pct, window_steps  # noqa: E402
 from paired_steps import (  # noqa: E402
     alternation_values,
+    bootstrap_median_interval,
     bootstrap_ratio,
     first_counted_step,
     overhead_ratio_interval,
@@ -108,6 +116,21 @@ def pooled(paths: list[str]) -> dict[int, list[float]]:
     return out
 
 
+def pooled_overhead(paths: list[str], line_pct: float) -> list[dict]:
+    """Per rank, one variant's median paired overhead over all ``paths`` with its bootstrap 95 % interval, judged
+    against ``line_pct`` (the module docstring's verdicts)."""
+    rows = []
+    for rank, values in sorted(pooled(paths).items()):
+        if len(values) < 2:
+            raise ValueError(f"rank {rank} has {len(values)} alternation pairs in {paths}; an interval needs two")
+        lo, hi = (100 * (v - 1) for v in bootstrap_median_interval(values))
+        verdict = "under" if hi <= line_pct else "above" if lo > line_pct else "unresolved"
+        rows.append({"rank": rank, "runs": len(paths), "pairs": len(values),
+                     "overhead_pct": round(100 * (statistics.median(values) - 1), 2),
+                     "overhead_ci95_pct": [round(lo, 2), round(hi, 2)], "line_pct": line_pct, "verdict": verdict})
+    return rows
+
+
 def compare(ours: list[str], native: list[str], limit: float) -> list[dict]:
     o, n = pooled(ours), pooled(native)
     if sorted(o) != sorted(n):
@@ -159,7 +182,22 @@ def main() -> int:
     ap.add_argument("--limit", type=float, default=1 / 3)
     ap.add_argument("--json-out")
     ap.add_argument("--plot", metavar="PNG", help="draw the rows of the given --json-out files instead")
+    ap.add_argument("--overhead", action="store_true",
+                    help="the given runs are one variant: its pooled overhead against --line-pct")
+    ap.add_argument("--line-pct", type=float, default=2.0)
     args = ap.parse_args()
+    if args.overhead:
+        if not args.files or args.ours or args.native or args.plot:
+            ap.error("--overhead takes one variant's alternating runs as plain arguments")
+        rows = pooled_overhead(args.files, args.line_pct)
+        print(f"{'rank':>4}  {'runs':>4}  {'pairs':>5}  overhead  95 % interval      verdict (line +{args.line_pct} %)")
+        for r in rows:
+            lo, hi = r["overhead_ci95_pct"]
+            print(f"{r['rank']:>4}  {r['runs']:>4}  {r['pairs']:>5}  {r['overhead_pct']:+7.2f}  "
+                  f"[{lo:+.2f}, {hi:+.2f}]  {r['verdict']}")
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps({"runs": args.files, "rows": rows}, indent=1))
+        return 0
     if args.plot:
         if not args.files or args.ours or args.native:
             ap.error("--plot takes the --json-out files of earlier comparisons")

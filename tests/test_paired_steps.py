@@ -136,3 +136,32 @@ def test_overhead_ratio_interval_and_verdicts(tmp_path):
     (tmp_path / "plain.json").write_text(json.dumps({"args": {"warmup_steps": 1}, "ranks": [{"rank": 0}]}))
     with pytest.raises(ValueError, match="--alternate-offload"):
         run_pairs(str(tmp_path / "plain.json"))
+
+
+def test_one_variants_pooled_overhead_against_a_percent_line(tmp_path):
+    """``overhead_ratio.py --overhead``: a floor's or ours' runs pooled per rank, judged on the median's bootstrap
+    interval against issue 5's +2 % line: under, above, or unresolved."""
+    import subprocess
+
+    from overhead_ratio import pooled_overhead
+
+    wide = [0.001 * i for i in range(41)]  # median +2 %, spread from 0 to 4 %
+    a = _alternating_json(tmp_path / "a.json", {0: [0.010] * 15, 1: [0.036] * 15, 2: wide})
+    b = _alternating_json(tmp_path / "b.json", {0: [0.012] * 15, 1: [0.030] * 15, 2: wide})
+    rows = {r["rank"]: r for r in pooled_overhead([a, b], 2.0)}
+    assert rows[0]["verdict"] == "under" and rows[0]["pairs"] == 30 and rows[0]["overhead_pct"] == pytest.approx(1.1)
+    assert rows[1]["verdict"] == "above" and rows[1]["overhead_ci95_pct"][0] > 2.0
+    lo, hi = rows[2]["overhead_ci95_pct"]
+    assert rows[2]["verdict"] == "unresolved" and lo < 2.0 < hi
+    assert pooled_overhead([a, b], 1.05)[0]["verdict"] == "unresolved"  # the line is the caller's: inside 1.0-1.2
+    short = _alternating_json(tmp_path / "s.json", {0: [0.02]})
+    with pytest.raises(ValueError, match="an interval needs two"):
+        pooled_overhead([short], 2.0)
+    out = tmp_path / "rows.json"
+    script = str(ROOT / "benchmarks" / "overhead_ratio.py")
+    proc = subprocess.run([sys.executable, script, "--overhead", a, b, "--json-out", str(out)], capture_output=True,
+                          text=True)
+    assert proc.returncode == 0 and "above" in proc.stdout, proc.stderr
+    assert [r["verdict"] for r in json.loads(out.read_text())["rows"]] == ["under", "above", "unresolved"]
+    proc = subprocess.run([sys.executable, script, "--overhead", a, "--native", b], capture_output=True, text=True)
+    assert proc.returncode == 2 and "one variant" in proc.stderr
