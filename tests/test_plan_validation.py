@@ -17,6 +17,8 @@ The fixtures are the committed results (read, never written):
   recompute by block (the first 2 layers checkpointed; predicted in session 60 before it ran) and C at 4 layers
   (experts, all five) on megatron-core 0.15.0, 0.15.1 and 0.15.2, and C with ``layernorm moe_act`` recomputed on
   0.15.3 (the planner of d6e72a2, unchanged since, compared after the runs).
+* ``benchmarks/results/issue5-session63/runs/pt``: 1 x H200, A and C at 4 layers under FP8 delayed scaling (the
+  planner's FP8 terms were written after these runs) and A with cuDNN fused attention (compared after it ran).
 
 Those ran the runtime before its second look (commit 0055084, ``runtime/second_look.py``) and are checked against
 ``RankTimeline.without_second_look()``. ``benchmarks/results/issue5-session39/runs/da3`` (2 x H200, D-dense with
@@ -167,9 +169,25 @@ def load_predicted_measurements() -> list[Measurement]:
     return out
 
 
+#: peak_memory.py folders of session 63's GPU tests (1 x H200, the runtime of 687be95): folder, note. The planner's
+#: FP8 terms were written after these runs, from TE's source and the offload audit's workspace bytes.
+S63 = "issue5-session63/runs/pt"
+SESSION63_FOLDERS = (
+    (f"{S63}/test_fp8_delayed_scaling_each_0/A", "s63 fp8", "4 layers, FP8 delayed scaling, modelled after it ran"),
+    (f"{S63}/test_fp8_delayed_scaling_each_1/C", "s63 fp8", "4 layers, FP8 delayed scaling, modelled after it ran"),
+    (f"{S63}/test_te_fused_attention_backen1/A", "s63", "4 layers, cuDNN fused attention, compared after it ran"),
+)
+
+
+def load_session63_measurements() -> list[Measurement]:
+    return [m for folder, source, note in SESSION63_FOLDERS
+            for m in load_measurements((folder,), source, note, second_look=True)]
+
+
 MEASUREMENTS = load_measurements()  # the issue-4 matrix, without the second look
 SECOND_LOOK_MEASUREMENTS = load_second_look_measurements()
-PREDICTED_MEASUREMENTS = load_predicted_measurements() + load_session61_measurements()
+PREDICTED_MEASUREMENTS = load_predicted_measurements() + load_session61_measurements() + \
+    load_session63_measurements()
 ALL_MEASUREMENTS = MEASUREMENTS + SECOND_LOOK_MEASUREMENTS + PREDICTED_MEASUREMENTS
 
 
@@ -192,6 +210,7 @@ class Comparison:
     delta_peak: tuple[int, int]
     off_device: tuple[int, int | None]
     instant: str
+    attn_proj_merged: bool = False  # attn_proj's bytes were counted under core_attn (one shared storage)
 
 
 def compare(m: Measurement) -> Comparison:
@@ -202,7 +221,8 @@ def compare(m: Measurement) -> Comparison:
     timeline = timeline_for(m)
     predicted = dict(timeline.offloaded_per_step(m.modules))
     measured = {p: m.offloaded.get(p, 0) for p in predicted}
-    if "attn_proj" in predicted and "core_attn" in predicted and measured["attn_proj"] == 0:
+    merged = "attn_proj" in predicted and "core_attn" in predicted and measured["attn_proj"] == 0
+    if merged:
         predicted["core_attn"] += predicted.pop("attn_proj")
         measured["core_attn"] += measured.pop("attn_proj")
     instant = timeline.binding_instant(m.modules)
@@ -210,7 +230,7 @@ def compare(m: Measurement) -> Comparison:
     assert set(requested.modules) == set(m.modules)  # the run's own set, as the command line evaluates it
     return Comparison([(p, predicted[p], measured[p]) for p in predicted],
                       (timeline.delta_peak(m.modules), m.delta_peak),
-                      (timeline.offloaded_at(instant, m.modules), m.off_device_at_peak), instant.kind)
+                      (timeline.offloaded_at(instant, m.modules), m.off_device_at_peak), instant.kind, merged)
 
 
 def error(predicted: int, measured: int) -> float:
@@ -222,7 +242,7 @@ def error(predicted: int, measured: int) -> float:
 def table(m: Measurement) -> str:
     c = compare(m)
     lines = [f"{m.id}: predicted vs measured (MiB)", f"  {'':<36}{'predicted':>11}{'measured':>11}{'error':>9}"]
-    rows = [(_label(name, m) + " per step", pred, meas) for name, pred, meas in c.points]
+    rows = [(_label(name, c) + " per step", pred, meas) for name, pred, meas in c.points]
     rows += [("delta peak", *c.delta_peak), (f"off device at peak ({c.instant})", *c.off_device)]
     for label, pred, meas in rows:
         if meas is None:
@@ -232,8 +252,10 @@ def table(m: Measurement) -> str:
     return "\n".join(lines)
 
 
-def _label(point: str, m: Measurement) -> str:
-    return "core_attn+attn_proj" if point == "core_attn" and "attn_proj" in m.modules else point
+def _label(point: str, c: Comparison) -> str:
+    """core_attn's row carries attn_proj's bytes where :func:`compare` merged them (one shared storage; under FP8
+    the projection keeps its own copy, and the two rows stay apart)."""
+    return "core_attn+attn_proj" if point == "core_attn" and c.attn_proj_merged else point
 
 
 def test_the_whole_matrix_is_loaded():
@@ -313,7 +335,7 @@ def markdown() -> str:
             head = f"| {m.label} | {' '.join(m.modules)} | {m.rank} |" if i == 0 else "| | | |"
             tail = (f" {dp_pred / MIB:.1f} | {dp_meas / MIB:.1f} | {error(dp_pred, dp_meas):+.1%} | "
                     f"{off_pred / MIB:.0f} ({c.instant}) | {off} |" if i == 0 else " | | | | |")
-            rows.append(f"{head} {_label(name, m)} | {pred / MIB:.0f} | {meas / MIB:.0f} | "
+            rows.append(f"{head} {_label(name, c)} | {pred / MIB:.0f} | {meas / MIB:.0f} | "
                         f"{error(pred, meas):+.1%} |{tail}")
     return "\n".join(rows)
 

@@ -38,6 +38,11 @@ dropout masks          2*T*h/d bytes       none; only with --hidden-dropout > 0 
                                            too, planner.py); the local spec's attention dropout: below
 =====================  ==================  ============================================================
 
+FP8 (``--fp8-format``, delayed scaling, TE spec): the attention and MLP norm outputs, the projection's input (its
+own copy of the attention output, which core attention alone then keeps in 16 bits and ``core_attn`` moves), fc2's
+input and the experts' inputs are kept in FP8, one byte an element; ``expert_fc1`` is refused (the grouped linear
+keeps a Float8Tensor object). Written after session 63's runs (benchmarks/results/issue5-session63).
+
 The rows after "MoE: act output" were found by the allocator census and the predicted runs of
 benchmarks/results/planner-census-session56 (config C: the expert output, 64 MiB a layer, is the 512 MiB between
 the deterministic and the plain run's peak).
@@ -207,7 +212,9 @@ def _attention(b: _Builder, model: ModelSpec, layout: ParallelLayout, training: 
     recomputed = training.recomputed
     layer_in = b.keep("layer input (residual)", tokens * model.hidden_size / d, chunk_input=True)
     discard_norm = "layernorm" in recomputed and not te
-    norm_out = None if discard_norm else b.keep("attention norm output", tokens * model.hidden_size / d)
+    fp8 = training.fp8  # TE spec only (model.py): LayerNormLinear's norm output and a Linear's input in FP8
+    norm_out = None if discard_norm else b.keep("attention norm output" + (" (FP8)" if fp8 else ""),
+                                                tokens * model.hidden_size / d, itemsize=1 if fp8 else None)
     qkv = b.keep("q, k, v", tokens * (model.q_dim + 2 * model.kv_dim) / t)
     core_extra: tuple[Storage, ...] = ()
     if "core_attn" not in recomputed:
@@ -215,7 +222,11 @@ def _attention(b: _Builder, model: ModelSpec, layout: ParallelLayout, training: 
             core_extra = (b.keep("softmax statistics (fp32)", tokens * model.num_attention_heads / t, FP32),)
         else:
             core_extra = _local_probabilities(b, training, tokens * model.num_attention_heads * training.seq_length / t)
-    out = b.keep("attention output", tokens * model.q_dim / t)
+    # FP8: the projection keeps an FP8 copy of the attention output, so core attention alone holds the 16-bit one
+    # (benchmarks/results/issue5-session63: core_attn 64 MiB a layer where 48 were moved in 16-bit runs), and none
+    # does when core attention is recomputed
+    out = None if fp8 and "core_attn" in recomputed else b.keep("attention output", tokens * model.q_dim / t)
+    proj_in = b.keep("attention output in FP8 (the projection's input)", tokens * model.q_dim / t, 1) if fp8 else out
     if "core_attn" in recomputed:
         # The checkpoint saves its inputs: RoPE's fresh q and k, and v, a view that keeps the whole QKV output
         # (benchmarks/results/planner-census-session56, E4: 80 MiB a layer where 48 were counted).
@@ -243,11 +254,17 @@ def _attention(b: _Builder, model: ModelSpec, layout: ParallelLayout, training: 
         b.notes.append("core_attn is recomputed: offloading core_attn moves nothing")
     else:
         kind = "flash/fused attention" if te else "unfused attention, with the s^2 probabilities"
-        b.point("core_attn", (qkv, *core_extra), f"q, k, v ({kind})", measured)
+        if fp8 and out is not None:
+            b.point("core_attn", (qkv, out, *core_extra), f"q, k, v and the attention output ({kind}; FP8: the "
+                                                          "projection keeps its own copy)", measured)
+        else:
+            b.point("core_attn", (qkv, *core_extra), f"q, k, v ({kind})", measured)
     note = "attention output (moves only with core_attn)"
-    if "core_attn" in recomputed:
+    if fp8:
+        note = "the projection's FP8 copy of the attention output (its own storage)"
+    elif "core_attn" in recomputed:
         note = "attention output, held only by the projection since core attention is recomputed"
-    b.point("attn_proj", (out,), note, measured and "core_attn" not in recomputed)
+    b.point("attn_proj", (proj_in,), note, measured and "core_attn" not in recomputed)
 
 
 def _local_probabilities(b: _Builder, training: TrainingSpec, elements: float) -> tuple[Storage, ...]:
@@ -273,15 +290,17 @@ def _dense_mlp(b: _Builder, model: ModelSpec, layout: ParallelLayout, training: 
     hidden = tokens * model.hidden_size / d
     gate = 2 if model.swiglu else 1
     recomputed = training.recomputed
+    fp8 = training.fp8
     mlp_in = b.keep("MLP input (residual)", hidden)
     if not (te and "mlp" in recomputed) and not ("layernorm" in recomputed and not te):
         # TE keeps the norm output inside LayerNormLinear; a recomputed MLP's checkpoint keeps it as its input.
-        b.keep("MLP norm output", hidden)
+        b.keep("MLP norm output" + (" (FP8)" if fp8 else ""), hidden, itemsize=1 if fp8 else None)
     if "mlp" in recomputed:
         b.notes.append("mlp is recomputed: the dense MLP keeps only its input")
     else:
         b.keep("fc1 output", tokens * gate * model.ffn_hidden_size / t)
-        b.keep("activation output", tokens * model.ffn_hidden_size / t)
+        b.keep("activation output" + (" in FP8 (fc2's input)" if fp8 else ""), tokens * model.ffn_hidden_size / t,
+               itemsize=1 if fp8 else None)
     _norm_point(b, "mlp_norm", mlp_in, te, "the norm's saved input (the MLP input)", not te and layout.tp == 1,
                 "layernorm" in recomputed)
 
@@ -310,26 +329,34 @@ def _moe_mlp(b: _Builder, model: ModelSpec, layout: ParallelLayout, training: Tr
         b.notes.append("moe is recomputed: expert_fc1 and moe_act move nothing")
         return
     rows = routed_rows(model, layout, training)
+    fp8 = training.fp8  # the grouped linears keep their inputs in FP8 (Float8Tensor objects, not offloaded)
+    byte = 1 if fp8 else None
     b.keep("router logits and probabilities (fp32)", 2 * tokens * model.num_experts / d, FP32)
-    permuted = b.keep("permuted tokens", rows * model.hidden_size)
+    permuted = b.keep("permuted tokens" + (" in FP8" if fp8 else ""), rows * model.hidden_size, byte)
     fc1 = b.keep("expert fc1 output", rows * gate * model.moe_ffn / etp)
     probs = b.keep("permuted probabilities (fp32)", rows, FP32)
     measured = te and t == 1 and etp == 1 and layout.ep == 1
-    b.point("expert_fc1", (permuted,), "permuted tokens (balanced routing)", measured)
+    if fp8:
+        b.nothing("expert_fc1", "refused with FP8: TE's grouped linear keeps its input as a Float8Tensor object, "
+                                "which the runtime does not offload")
+    else:
+        b.point("expert_fc1", (permuted,), "permuted tokens (balanced routing)", measured)
     if "moe_act" in recomputed:
         b.nothing("moe_act", "refused with moe_act recompute: its CheckpointWithoutOutput (which keeps fc1's "
                              "output) would lose the input gradient under offloading's hooks")
         b.notes.append("moe_act is recomputed: the moe_act point is refused; fc1's output stays on the device")
     else:
-        b.keep("expert activation output", rows * model.moe_ffn / etp)
-        b.point("moe_act", (fc1, probs), "expert fc1 output (the SwiGLU input)" if gate == 2
-                else "expert fc1 output (the activation input)", measured)
+        b.keep("expert activation output" + (" in FP8 (fc2's input)" if fp8 else ""), rows * model.moe_ffn / etp, byte)
+        what = "expert fc1 output (the SwiGLU input)" if gate == 2 else "expert fc1 output (the activation input)"
+        if fp8:  # FP8 grouped GEMMs pad each expert's rows to a multiple of 16 (0.7 % more in session 63's C run)
+            what += "; FP8 pads each expert's rows a little"
+        b.point("moe_act", (fc1, probs), what, measured)
     if training.deterministic and not training.moe_permute_fusion:
         b.keep("expert output (unpermute's index_add_ source)", tokens * model.moe_router_topk // d * model.hidden_size)
     if model.moe_shared_expert_intermediate_size and "shared_experts" not in recomputed:
         shared = model.moe_shared_expert_intermediate_size
         b.keep("shared expert fc1 output", tokens * gate * shared / t)
-        b.keep("shared expert activation output", tokens * shared / t)
+        b.keep("shared expert activation output" + (" in FP8" if fp8 else ""), tokens * shared / t, byte)
 
 
 def summarize(layers: Mapping[str, LayerActivations]) -> dict[str, int]:

@@ -13,6 +13,8 @@ from mcore_offload.config import DEFAULT_MIN_OFFLOADED_TENSOR_SIZE, OFFLOAD_MODU
 from mcore_offload.plan.hardware import Hardware, get_hardware, gpu_names, with_link_overrides
 from mcore_offload.plan.measure import load_measured
 from mcore_offload.plan.model import (
+    FP8_FORMATS,
+    FP8_RECIPES,
     POSITION_EMBEDDING_TYPES,
     ModelSpec,
     ParallelLayout,
@@ -76,6 +78,10 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
     dtype.add_argument("--bf16", action="store_true")
     dtype.add_argument("--fp16", action="store_true")
     g.add_argument("--transformer-impl", choices=["transformer_engine", "local"], default="transformer_engine")
+    g.add_argument("--fp8-format", choices=FP8_FORMATS, default=None,
+                   help="TE's FP8 GEMMs: linears keep their inputs in FP8, weights an FP8 copy and its transpose")
+    g.add_argument("--fp8-recipe", choices=FP8_RECIPES, default="delayed",
+                   help="with --fp8-format; the planner models delayed scaling")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     g.add_argument("--recompute-modules", nargs="*", default=[])
     g.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
@@ -211,13 +217,18 @@ def config_from_args(args: argparse.Namespace) -> tuple[PlanConfig, list[str]]:
                             deterministic=args.deterministic_mode, moe_permute_fusion=args.moe_permute_fusion,
                             rope_fusion=args.rope_fusion, masked_softmax_fusion=args.masked_softmax_fusion,
                             hidden_dropout=_dropout(args.hidden_dropout, args.preset),
-                            attention_dropout=_dropout(args.attention_dropout, args.preset))
+                            attention_dropout=_dropout(args.attention_dropout, args.preset),
+                            fp8_format=args.fp8_format, fp8_recipe=args.fp8_recipe)
     hw = _hardware(args)
     if not 0 <= args.max_exposed_percent <= 100:
         raise PlanError(f"--max-exposed-percent must lie between 0 and 100, got {args.max_exposed_percent:g}; "
                         "the default is 2.")
     config = PlanConfig(model, layout, training, hw, args.memory_target_gib, args.max_exposed_percent / 100)
-    return config, [note] if note else []
+    notes = [note] if note else []
+    if training.fp8 and args.tflops is None:
+        notes.append("--fp8-format: layer times use the bf16 GEMM rate, and FP8 GEMMs run faster, so less compute "
+                     "hides the copies than shown; pass --tflops with your FP8 rate for the cautious estimate")
+    return config, notes
 
 
 def _hardware(args: argparse.Namespace) -> Hardware:

@@ -27,6 +27,9 @@ RECOMPUTE_MODULES: tuple[str, ...] = ("core_attn", "moe_act", "layernorm", "mla_
                                       "shared_experts")
 DTYPE_BYTES: Mapping[str, int] = types.MappingProxyType({"bf16": 2, "fp16": 2, "fp32": 4})
 TRANSFORMER_IMPLS: tuple[str, ...] = ("transformer_engine", "local")
+FP8_FORMATS: tuple[str, ...] = ("e4m3", "hybrid")
+#: Megatron-LM's --fp8-recipe values; the planner models delayed scaling only (per-tensor scales, measured on the GPU)
+FP8_RECIPES: tuple[str, ...] = ("delayed", "tensorwise", "mxfp8", "blockwise")
 #: Megatron-LM's --position-embedding-type values the planner models (learned_absolute adds a weight table)
 POSITION_EMBEDDING_TYPES: tuple[str, ...] = ("rope", "learned_absolute", "none")
 
@@ -161,6 +164,14 @@ class TrainingSpec:
     # one-byte mask of what it drops; TE's flash/fused attention keeps its RNG state instead
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
+    # --fp8-format / --fp8-recipe: TE's FP8 GEMMs; a linear then keeps its input in FP8 (one byte an element) and
+    # every linear weight an FP8 copy and its transpose (activations.py, planner.py)
+    fp8_format: str | None = None
+    fp8_recipe: str = "delayed"
+
+    @property
+    def fp8(self) -> bool:
+        return self.fp8_format is not None
 
     @property
     def dtype_bytes(self) -> int:
@@ -409,6 +420,7 @@ def _validate_training(model: ModelSpec, layout: ParallelLayout, training: Train
         raise PlanError(f"Unknown dtype {training.dtype!r}: use bf16, fp16 or fp32.")
     if training.transformer_impl not in TRANSFORMER_IMPLS:
         raise PlanError(f"Unknown --transformer-impl {training.transformer_impl!r}: use transformer_engine or local.")
+    _validate_fp8(model, training)
     if layout.sp:
         _divides("--seq-length", training.seq_length, "--tensor-model-parallel-size", layout.tp,
                  "with --sequence-parallel pick a sequence length TP divides")
@@ -449,8 +461,33 @@ def _validate_training(model: ModelSpec, layout: ParallelLayout, training: Train
                         f"use 0 to offload everything or keep the default {DEFAULT_MIN_OFFLOADED_TENSOR_SIZE}.")
 
 
+def _validate_fp8(model: ModelSpec, training: TrainingSpec) -> None:
+    if training.fp8_recipe not in FP8_RECIPES:
+        raise PlanError(f"Unknown --fp8-recipe {training.fp8_recipe!r}: use one of {', '.join(FP8_RECIPES)}.")
+    if not training.fp8:
+        return
+    if training.fp8_format not in FP8_FORMATS:
+        raise PlanError(f"Unknown --fp8-format {training.fp8_format!r}: use e4m3 or hybrid.")
+    if not training.te:
+        raise PlanError("--fp8-format needs the TE spec (--transformer-impl transformer_engine); megatron-core's "
+                        "local spec has no FP8 path.")
+    if training.dtype == "fp32":
+        raise PlanError("--fp8-format runs inside 16-bit training, as in Megatron-LM; add --bf16 (or --fp16).")
+    if training.fp8_recipe != "delayed":
+        raise PlanError(f"--fp8-recipe {training.fp8_recipe} is not modelled: the planner knows delayed scaling "
+                        "(per-tensor scales, measured on the GPU); plan with --fp8-recipe delayed for an estimate "
+                        "without the recipe's block scales.")
+    if "expert_fc1" in training.offload_modules and model.num_experts:
+        # the same refusal as mcore_offload/config.py (TE's grouped linear keeps Float8Tensor objects)
+        raise PlanError("--offload-modules has expert_fc1, but with FP8 TransformerEngine's grouped GEMM saves the "
+                        "experts' inputs as Float8Tensor objects, which are not offloaded; drop expert_fc1 (moe_act "
+                        "still offloads) or plan without FP8.")
+
+
 __all__ = [
     "DTYPE_BYTES",
+    "FP8_FORMATS",
+    "FP8_RECIPES",
     "OFFLOAD_MODULES",
     "RECOMPUTE_MODULES",
     "ModelSpec",

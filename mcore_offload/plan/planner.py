@@ -165,8 +165,19 @@ def _static_bytes(config: PlanConfig, rank: int, chunks: tuple[range, ...], moe_
         # Tied weights still need a copy of the embedding on the last stage when PP > 1.
         params += model.hidden_size + (embedding if model.untie_embeddings_and_output_weights or layout.pp > 1
                                        else 0)
-    return params * 2 * config.training.dtype_bytes + workspace_bytes(config, any(moe_layers[i] for c in chunks
-                                                                                  for i in c))
+    fp8_copies = sum(linear_weights(model, layout, moe_layers[i]) for c in chunks for i in c) * 2 \
+        if config.training.fp8 else 0
+    return params * 2 * config.training.dtype_bytes + fp8_copies + workspace_bytes(
+        config, any(moe_layers[i] for c in chunks for i in c))
+
+
+def linear_weights(model: ModelSpec, layout: ParallelLayout, moe: bool) -> int:
+    """Elements of one layer's linear weights on one rank (:func:`layer_params` less the norms and the router).
+    Under FP8 TE keeps an FP8 copy of each and its transpose from the step's first microbatch on: 2 bytes an element
+    (the offload audit's workspace bytes in benchmarks/results/issue5-session63: 512 MiB on A at 4 layers, 896 MiB
+    on C, exact)."""
+    params = layer_params(model, layout, moe) - 2 * model.hidden_size
+    return params - model.hidden_size * (model.num_experts or 0) if moe else params
 
 
 def workspace_bytes(config: PlanConfig, has_moe: bool) -> int:

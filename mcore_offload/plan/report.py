@@ -50,10 +50,11 @@ def _header(plan: Plan) -> list[str]:
                                                      (f"attention dropout {tr.attention_dropout:g}",
                                                       tr.attention_dropout)) if on)
     link = hw.link
+    fp8 = f" with fp8 {tr.fp8_format} ({tr.fp8_recipe})" if tr.fp8 else ""
     return [
         f"mcore-offload plan: {m.name} ({arch})",
         f"layout: TP={lay.tp} SP={'on' if lay.sp else 'off'} PP={lay.pp} VPP={lay.vpp} EP={lay.ep} ETP={lay.etp} | "
-        f"seq {tr.seq_length} x mbs {tr.micro_batch_size}, {tr.num_microbatches} microbatches, {tr.dtype}, "
+        f"seq {tr.seq_length} x mbs {tr.micro_batch_size}, {tr.num_microbatches} microbatches, {tr.dtype}{fp8}, "
         f"{tr.transformer_impl}, recompute {recompute}, min size {tr.min_offloaded_tensor_size}{switches}",
         f"schedule: {plan.schedule} | gpu {hw.name}: D2H {link.d2h_gbps:g} / H2D {link.h2d_gbps:g} / both "
         f"{link.both_gbps:g} GB/s, {hw.dense_tflops:g} TFLOP/s, {hw.memory_gib:g} GiB ({hw.source})",

@@ -35,6 +35,8 @@ def plan_argv(args: dict) -> list[str]:
         argv.append("--no-rope-fusion")
     if args["transformer_impl"] == "local":  # pretrain_gpt.py: learned absolute positions, masked_softmax_fusion=False
         argv += ["--position-embedding-type", "learned_absolute", "--no-masked-softmax-fusion"]
+    if args.get("fp8"):  # pretrain_gpt.py's --fp8 FORMAT and --fp8-recipe (default delayed)
+        argv += ["--fp8-format", args["fp8"], "--fp8-recipe", args.get("fp8_recipe") or "delayed"]
     if args.get("moe_permute_fusion"):
         argv.append("--moe-permute-fusion")
     for key in ("hidden_dropout", "attention_dropout"):  # pretrain_gpt.py: 0 unless asked (no flag before s56)
