@@ -59,3 +59,26 @@ def test_back_refuses_to_overwrite_a_folder_of_the_same_name(tmp_path):
     assert run.returncode != 0 and "cpu-x exists" in run.stderr
     assert (repo / ".gpu" / "aside" / "cpu-x" / "README.md").exists()  # nothing moved
     assert _aside(repo, "nonsense").returncode == 2
+
+
+@pytest.mark.skipif(shutil.which("pgrep") is None, reason="the script tells builds apart with pgrep")
+def test_clear_build_locks_removes_a_stale_lock_and_leaves_a_running_builds(tmp_path):
+    """benchmarks/gpu/clear_build_locks.sh (session 63: a killed megatron-core import left torch's extension-build
+    lock, and every later import waited on it): a lock is removed when no build runs, kept while ``ninja`` runs."""
+    script = ROOT / "benchmarks" / "gpu" / "clear_build_locks.sh"
+    lock = tmp_path / "py312_cu130" / "managed_alloc_runtime" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    done = subprocess.run(["bash", str(script), str(tmp_path)], capture_output=True, text=True)
+    assert done.returncode == 0 and not lock.exists() and "removed stale" in done.stderr
+    lock.touch()
+    ninja = tmp_path / "ninja"  # a process named ninja: pgrep -x matches the executable's name
+    shutil.copy(shutil.which("sleep"), ninja)
+    builder = subprocess.Popen([str(ninja), "30"])
+    try:
+        kept = subprocess.run(["bash", str(script), str(tmp_path)], capture_output=True, text=True)
+    finally:
+        builder.kill()
+        builder.wait()
+    assert kept.returncode == 0 and lock.exists() and "left alone" in kept.stderr
+    assert subprocess.run(["bash", str(script), str(tmp_path / "absent")]).returncode == 0

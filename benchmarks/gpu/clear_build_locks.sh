@@ -15,6 +15,10 @@
 # A lock is left alone while a compiler or ninja runs (a build in progress holds it rightly).
 set -u
 dir=${1:-$HOME/.cache/torch_extensions}
+if ! command -v pgrep > /dev/null; then
+  echo "clear_build_locks: pgrep is missing, so a running build cannot be told apart; locks left alone" >&2
+  exit 0
+fi
 for tool in ninja nvcc cc1plus; do
   if pgrep -x "$tool" > /dev/null; then
     echo "clear_build_locks: $tool is running (a build in progress); locks left alone" >&2
