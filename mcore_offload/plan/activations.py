@@ -254,7 +254,7 @@ def _attention(b: _Builder, model: ModelSpec, layout: ParallelLayout, training: 
         b.notes.append("core_attn is recomputed: offloading core_attn moves nothing")
     else:
         kind = "flash/fused attention" if te else "unfused attention, with the s^2 probabilities"
-        if fp8 and out is not None:
+        if fp8:  # core attention is not recomputed here, so it keeps the 16-bit output
             b.point("core_attn", (qkv, out, *core_extra), f"q, k, v and the attention output ({kind}; FP8: the "
                                                           "projection keeps its own copy)", measured)
         else:
