@@ -155,7 +155,8 @@ def layer_params(model: ModelSpec, layout: ParallelLayout, moe: bool) -> int:
 
 def _static_bytes(config: PlanConfig, rank: int, chunks: tuple[range, ...], moe_layers: tuple[bool, ...]) -> int:
     model, layout = config.model, config.layout
-    params = sum(layer_params(model, layout, moe_layers[i]) for c in chunks for i in c)
+    kinds = [moe_layers[i] for c in chunks for i in c]  # the rank's layers, MoE or dense
+    params = sum(layer_params(model, layout, moe) for moe in kinds)
     embedding = padded_vocab(model, layout) * model.hidden_size // layout.tp
     if rank == 0:
         params += embedding
@@ -165,10 +166,8 @@ def _static_bytes(config: PlanConfig, rank: int, chunks: tuple[range, ...], moe_
         # Tied weights still need a copy of the embedding on the last stage when PP > 1.
         params += model.hidden_size + (embedding if model.untie_embeddings_and_output_weights or layout.pp > 1
                                        else 0)
-    fp8_copies = sum(linear_weights(model, layout, moe_layers[i]) for c in chunks for i in c) * 2 \
-        if config.training.fp8 else 0
-    return params * 2 * config.training.dtype_bytes + fp8_copies + workspace_bytes(
-        config, any(moe_layers[i] for c in chunks for i in c))
+    fp8_copies = 2 * sum(linear_weights(model, layout, moe) for moe in kinds) if config.training.fp8 else 0
+    return params * 2 * config.training.dtype_bytes + fp8_copies + workspace_bytes(config, any(kinds))
 
 
 def linear_weights(model: ModelSpec, layout: ParallelLayout, moe: bool) -> int:
