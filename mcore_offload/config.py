@@ -147,8 +147,10 @@ def validate_offload_config(config: Any) -> None:
     for point, module in recompute_conflicts(recomputed).items():
         if point in names:
             raise ValueError(recompute_conflict_message(point, module))
-    # Under core_attn recompute the checkpoint does not keep attention's output, so attn_proj frees it alone.
-    if "attn_proj" in names and "core_attn" not in names and "core_attn" not in recomputed:
+    # attn_proj frees something alone where core attention does not save the same tensor: under core_attn recompute
+    # (the checkpoint keeps no output) and under FP8 (TE's projection saves its own FP8 copy of the output).
+    if "attn_proj" in names and "core_attn" not in names and "core_attn" not in recomputed \
+            and not getattr(config, "fp8", None):
         raise ValueError(
             "offload_modules has 'attn_proj' without 'core_attn': core attention's backward saves the "
             "same tensor, so offloading attn_proj alone frees nothing; add 'core_attn' or drop 'attn_proj'."

@@ -142,6 +142,15 @@ def test_fp8_with_grouped_gemm_refuses_expert_fc1_and_keeps_the_rest():
         validate_offload_config(SimpleNamespace(offload_modules=["expert_fc1"], **{**moe, **other}))
 
 
+def test_fp8_lets_attn_proj_go_alone():
+    """Under FP8 TE's projection saves its own FP8 copy of attention's output, which attn_proj alone frees; in 16-bit
+    training core attention saves the same tensor, and attn_proj alone is refused (the parametrized case above)."""
+    base = dict(fine_grained_activation_offloading=True, offload_modules=["attn_proj"], min_offloaded_tensor_size=0)
+    validate_offload_config(SimpleNamespace(fp8="hybrid", **base))
+    with pytest.raises(ValueError, match=r"'attn_proj' without 'core_attn'.*add 'core_attn'"):
+        validate_offload_config(SimpleNamespace(fp8=None, **base))
+
+
 def _run_with_megatron(root, code: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.getcwd()]))
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,

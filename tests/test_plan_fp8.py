@@ -78,3 +78,20 @@ def test_cli_takes_megatron_lms_fp8_flags(capsys):
     assert "--tflops with your FP8 rate" not in capsys.readouterr().out  # the rate given is the user's
     assert main(["plan", "--preset", "llama3-8b", "--fp8-format", "e4m3", "--fp8-recipe", "mxfp8"]) == 2
     assert "--fp8-recipe mxfp8 is not modelled" in capsys.readouterr().err
+
+
+def test_fp8_lets_attn_proj_go_alone_in_the_plan_and_in_a_runs_config():
+    """Under FP8 the projection saves its own FP8 copy of attention's output (session 63: 224 MiB on A at 4 layers,
+    apart from core_attn's), so attn_proj alone frees that copy: the planner plans it, shows it as a set of its own
+    and may recommend it (a run's config accepts it: tests/test_config.py). Without FP8 it is refused (the same
+    tensor as core_attn's)."""
+    from mcore_offload.plan.recommend import valid_sets
+
+    plan = plan_for(DENSE, **FP8, offload_modules=("attn_proj",))
+    freed = {s.label: s for s in plan.sets}
+    assert "attn_proj" in freed and "core_attn+attn_proj" not in freed
+    assert plan.offloaded_per_step(("attn_proj",))[0]["attn_proj"] > 0
+    assert ("attn_proj",) in valid_sets(["core_attn", "attn_proj"], attn_proj_alone=True)
+    assert ("attn_proj",) not in valid_sets(["core_attn", "attn_proj"])
+    with pytest.raises(PlanError, match="attn_proj without core_attn"):
+        plan_for(DENSE, offload_modules=("attn_proj",))

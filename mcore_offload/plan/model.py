@@ -452,7 +452,7 @@ def _validate_training(model: ModelSpec, layout: ParallelLayout, training: Train
         if point in training.offload_modules:
             raise PlanError(recompute_conflict_message(point, module))
     if ("attn_proj" in training.offload_modules and "core_attn" not in training.offload_modules
-            and "core_attn" not in training.recomputed):
+            and "core_attn" not in training.recomputed and not training.fp8):  # as config.py: FP8 copies it
         raise PlanError("--offload-modules has attn_proj without core_attn: core attention saves the same tensor, "
                         "so attn_proj alone frees nothing; add core_attn or drop attn_proj.")
     size = training.min_offloaded_tensor_size

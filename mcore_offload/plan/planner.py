@@ -199,13 +199,15 @@ def _offload_sets(layers: Mapping[str, LayerActivations], training: TrainingSpec
     """(label, modules): none, each useful point alone, the attention and MoE sets, all, requested, recommended."""
     useful = [m for m, nbytes in summarize(layers).items() if nbytes > 0]
     sets: list[tuple[str, tuple[str, ...]]] = [("none", ())]
-    for m in useful:
-        sets.append(("core_attn+attn_proj", ("core_attn", "attn_proj")) if m == "attn_proj" else (m, (m,)))
+    for m in useful:  # attn_proj alone only under FP8, where the projection saves its own copy
+        paired = m == "attn_proj" and not training.fp8
+        sets.append(("core_attn+attn_proj", ("core_attn", "attn_proj")) if paired else (m, (m,)))
     if any(m in useful for m in ATTENTION_SET):
         sets.append(("attention", ATTENTION_SET))
     if any(m in useful for m in MOE_SET):
         sets.append(("moe", MOE_SET))
-    everything = tuple(m for m in OFFLOAD_MODULES if m in useful or (m == "core_attn" and "attn_proj" in useful))
+    everything = tuple(m for m in OFFLOAD_MODULES if m in useful
+                       or (m == "core_attn" and "attn_proj" in useful and not training.fp8))
     if everything:
         sets.append(("all", everything))
     merged: dict[tuple[str, ...], str] = {}
@@ -275,7 +277,7 @@ def build_plan(config: PlanConfig) -> Plan:
     demands = [RankDemand(off, None if target is None else static + base - target,
                           {s: t.delta_peak(s) for s in subsets})
                for off, static, base, t in zip(offloaded, statics, baseline, timelines)]
-    rec = recommend(costs, hw.link, demands, max_exposed=config.max_exposed)
+    rec = recommend(costs, hw.link, demands, max_exposed=config.max_exposed, attn_proj_alone=training.fp8)
 
     sets, freed = [], {}
     for label, modules in _offload_sets(layers, training, rec):

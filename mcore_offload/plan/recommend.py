@@ -53,14 +53,15 @@ class Recommendation:
     reason: str
 
 
-def valid_sets(points: Sequence[str]) -> list[tuple[str, ...]]:
-    """Every non-empty set of ``points`` that megatron accepts (``attn_proj`` needs ``core_attn``), in the
-    canonical order of ``OFFLOAD_MODULES``."""
+def valid_sets(points: Sequence[str], attn_proj_alone: bool = False) -> list[tuple[str, ...]]:
+    """Every non-empty set of ``points`` that megatron accepts (``attn_proj`` needs ``core_attn`` unless
+    ``attn_proj_alone``: under FP8 the projection saves its own copy), in the canonical order of
+    ``OFFLOAD_MODULES``."""
     names = [m for m in OFFLOAD_MODULES if m in set(points)]
     out = []
     for k in range(1, len(names) + 1):
         for combo in itertools.combinations(names, k):
-            if "attn_proj" in combo and "core_attn" not in combo:
+            if "attn_proj" in combo and "core_attn" not in combo and not attn_proj_alone:
                 continue
             out.append(combo)
     return out
@@ -84,16 +85,17 @@ def freed_bytes(modules: Sequence[str], costs: Mapping[str, LayerCost],
 
 
 def recommend(costs: Mapping[str, LayerCost], link: LinkSpeed, demands: Sequence[RankDemand] = (), *,
-              max_exposed: float = MAX_EXPOSED, backward_factor: float = BACKWARD_FACTOR) -> Recommendation:
+              max_exposed: float = MAX_EXPOSED, backward_factor: float = BACKWARD_FACTOR,
+              attn_proj_alone: bool = False) -> Recommendation:
     """The recommended set; see the module docstring. ``costs`` maps a layer kind to its :class:`LayerCost`;
-    without ``demands`` every kind counts once."""
+    without ``demands`` every kind counts once. ``attn_proj_alone``: see :func:`valid_sets` (FP8)."""
     if not demands:
         demands = (RankDemand({kind: 1 for kind in costs}),)
     useful = {m for m in OFFLOAD_MODULES if any(c.point_bytes.get(m, 0) > 0 for c in costs.values())}
-    if "attn_proj" in useful:
+    if "attn_proj" in useful and not attn_proj_alone:
         useful.add("core_attn")  # attn_proj is only allowed with core_attn, even when core_attn moves nothing
     scored = []
-    for modules in valid_sets(sorted(useful)):
+    for modules in valid_sets(sorted(useful), attn_proj_alone):
         if not any(c.set_bytes(modules) for c in costs.values()):
             continue
         scored.append((modules, exposed_fraction(modules, costs, link, backward_factor),
