@@ -8,7 +8,7 @@ unchanged. The patched ``TransformerConfig.__post_init__`` calls :func:`validate
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 #: The named offload points, in the order they run inside one transformer layer.
@@ -105,6 +105,14 @@ _CONFLICT_REASONS: dict[tuple[str, str], str] = {
 }
 
 
+def attn_proj_alone_frees_nothing(names: Iterable[str], recomputed: Iterable[str], fp8: bool) -> bool:
+    """Whether ``names`` has attn_proj without core_attn where core attention's backward saves the same tensor.
+    attn_proj frees something alone under core_attn recompute (the checkpoint keeps no output) and under FP8 (TE's
+    projection saves its own FP8 copy of the output)."""
+    names = set(names)
+    return "attn_proj" in names and "core_attn" not in names and "core_attn" not in set(recomputed) and not fp8
+
+
 def recompute_conflicts(recomputed: set[str] | frozenset[str]) -> dict[str, str]:
     """Offload points that selective recompute of the ``recomputed`` modules rules out, each with its module.
     Explicit names are refused; ``auto`` leaves these points out."""
@@ -147,10 +155,7 @@ def validate_offload_config(config: Any) -> None:
     for point, module in recompute_conflicts(recomputed).items():
         if point in names:
             raise ValueError(recompute_conflict_message(point, module))
-    # attn_proj frees something alone where core attention does not save the same tensor: under core_attn recompute
-    # (the checkpoint keeps no output) and under FP8 (TE's projection saves its own FP8 copy of the output).
-    if "attn_proj" in names and "core_attn" not in names and "core_attn" not in recomputed \
-            and not getattr(config, "fp8", None):
+    if attn_proj_alone_frees_nothing(names, recomputed, bool(getattr(config, "fp8", None))):
         raise ValueError(
             "offload_modules has 'attn_proj' without 'core_attn': core attention's backward saves the "
             "same tensor, so offloading attn_proj alone frees nothing; add 'core_attn' or drop 'attn_proj'."

@@ -119,13 +119,15 @@ class Measurement:
 
 
 def load_measurements(folders=MATRIX, source: str = "issue4", note: str = "", second_look: bool = False,
-                      rows: list[dict] | None = None) -> list[Measurement]:
-    """``rows``: the results.json rows to read (of the one folder given); all of each folder's by default."""
+                      skip_missing_runs: bool = False) -> list[Measurement]:
+    """``skip_missing_runs``: leave out a row whose run JSON (the args the planner needs) is not there."""
     out = []
     for folder in folders:
         doc = json.loads((RESULTS / folder / "results.json").read_text())
-        for row in doc["rows"] if rows is None else rows:
+        for row in doc["rows"]:
             if row["impl"] != "ours":
+                continue
+            if skip_missing_runs and not (RESULTS / folder / f"{row['run']}.json").exists():
                 continue
             args = json.loads((RESULTS / folder / f"{row['run']}.json").read_text())["args"]
             out.append(Measurement(row["config"], tuple(row["offload_modules"]), row["rank"],
@@ -205,12 +207,8 @@ KNOWN_DELTA_PEAK_MISSES = {
 
 
 def load_session64_measurements() -> list[Measurement]:
-    out = []
-    for folder, source, note in SESSION64_FOLDERS:
-        rows = json.loads((RESULTS / folder / "results.json").read_text())["rows"]
-        kept = [row for row in rows if (RESULTS / folder / f"{row['run']}.json").exists()]
-        out += [m for m in load_measurements((folder,), source, note, second_look=True, rows=kept)]
-    return out
+    return [m for folder, source, note in SESSION64_FOLDERS
+            for m in load_measurements((folder,), source, note, second_look=True, skip_missing_runs=True)]
 
 
 MEASUREMENTS = load_measurements()  # the issue-4 matrix, without the second look

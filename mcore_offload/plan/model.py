@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from mcore_offload.config import (
     DEFAULT_MIN_OFFLOADED_TENSOR_SIZE,
     OFFLOAD_MODULES,
+    attn_proj_alone_frees_nothing,
     full_recompute_message,
     full_recompute_of_every_layer,
     recompute_conflict_message,
@@ -451,8 +452,7 @@ def _validate_training(model: ModelSpec, layout: ParallelLayout, training: Train
     for point, module in recompute_conflicts(training.recomputed).items():
         if point in training.offload_modules:
             raise PlanError(recompute_conflict_message(point, module))
-    if ("attn_proj" in training.offload_modules and "core_attn" not in training.offload_modules
-            and "core_attn" not in training.recomputed and not training.fp8):  # as config.py: FP8 copies it
+    if attn_proj_alone_frees_nothing(training.offload_modules, training.recomputed, training.fp8):
         raise PlanError("--offload-modules has attn_proj without core_attn: core attention saves the same tensor, "
                         "so attn_proj alone frees nothing; add core_attn or drop attn_proj.")
     size = training.min_offloaded_tensor_size
