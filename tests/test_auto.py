@@ -377,19 +377,24 @@ def test_auto_on_a_real_model_survives_a_fault_in_its_measured_step(_parallel):
         assert all((ga[k] == gb[k]).all() for k in ga)
 
 
-def test_auto_under_block_recompute_plans_only_the_layers_that_save_activations(_parallel):
-    """Full recompute of the first layer of three (block method): the probe sees no group of layer 1 (its
-    forward runs without grad, its recompute inside backward), so the plan holds layers 2 and 3 only, and the
-    planned steps keep the loss and gradients of the same recompute without offloading."""
-    block = dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1)
+def auto_against_plain(base: dict) -> None:
+    """Train three layers with ``base``'s config, without offloading and with ``auto``, through the probe and two
+    planned steps; the loss and every gradient bitwise equal."""
     kw = dict(n_steps=PROBE_STEPS + 2, num_microbatches=2, seq_len=16, micro_batch_size=2, lr=0.1)
-    ref = run_steps(build_dense_gpt(num_layers=3, config_overrides=block), **kw)
-    overrides = dict(block, fine_grained_activation_offloading=True, offload_modules=["auto"],
+    ref = run_steps(build_dense_gpt(num_layers=3, config_overrides=base), **kw)
+    overrides = dict(base, fine_grained_activation_offloading=True, offload_modules=["auto"],
                      min_offloaded_tensor_size=512)
     got = run_steps(build_dense_gpt(num_layers=3, config_overrides=overrides), **kw)
     assert got.losses == ref.losses
     for ga, gb in zip(got.grads, ref.grads, strict=True):
         assert all((ga[k] == gb[k]).all() for k in ga)
+
+
+def test_auto_under_block_recompute_plans_only_the_layers_that_save_activations(_parallel):
+    """Full recompute of the first layer of three (block method): the probe sees no group of layer 1 (its
+    forward runs without grad, its recompute inside backward), so the plan holds layers 2 and 3 only, and the
+    planned steps keep the loss and gradients of the same recompute without offloading."""
+    auto_against_plain(dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1))
     plan = get_manager().auto.plan
     assert plan is not None and set(plan.points) == {(None, 2), (None, 3)}
     assert get_summary().steps[-1].total("offloaded") > 0

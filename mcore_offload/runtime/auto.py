@@ -12,7 +12,8 @@ and the runtime's host time. The third (the *peak* step, on a GPU) finds the ste
 nothing: under pipeline parallelism, a chunk's last layer). That takes an allocator statistics read at every
 release and reload, host time that would inflate the measured step's host time and exposure (on A it tripled the
 host time per group and the plan chose nothing), so the two never share a step. At the end of the peak step
-:func:`choose` picks the units (a point, or core_attn with attn_proj, which share attention's output)
+:func:`choose` picks the units (a point, or core_attn with attn_proj, which share attention's output in 16-bit
+training; under FP8 or core_attn recompute each is a unit of its own, see :func:`attention_units`)
 greedily, most peak bytes first, keeping each one only if a simulated copy queue still finishes every layer's
 copies before the layer after next starts. Steps after that offload the chosen (chunk, layer, point) only. The
 plan is logged once per rank.
@@ -33,6 +34,7 @@ import time
 from collections import defaultdict
 from typing import Any
 
+from mcore_offload.config import attn_proj_alone_frees_nothing, selectively_recomputed
 from mcore_offload.runtime.auto_choice import ChunkProfile, HostCost, Plan, choose, host_cost
 
 logger = logging.getLogger(__name__)
@@ -45,6 +47,17 @@ PROBE_STEPS = 3
 UNITS: tuple[tuple[str, ...], ...] = (
     ("attn_norm",), ("qkv_linear",), ("core_attn", "attn_proj"), ("mlp_norm",), ("expert_fc1",), ("moe_act",),
 )
+#: Every point its own unit: where attn_proj's saved tensor is a storage of its own (FP8: TE's projection keeps an
+#: FP8 copy; core_attn recompute: the checkpoint keeps no output), planning the two together would make auto take
+#: core_attn's large, often exposed bytes to get attn_proj's small, hidden ones, or neither.
+SPLIT_UNITS: tuple[tuple[str, ...], ...] = tuple((p,) for u in UNITS for p in u)
+
+
+def attention_units(config: Any) -> tuple[tuple[str, ...], ...]:
+    """The units auto plans for ``config``: :data:`SPLIT_UNITS` where attn_proj alone frees memory (the rule the
+    config's validation applies to an explicit list), else :data:`UNITS`."""
+    fp8 = bool(getattr(config, "fp8", None))
+    return UNITS if attn_proj_alone_frees_nothing(("attn_proj",), selectively_recomputed(config), fp8) else SPLIT_UNITS
 
 
 def parse_auto(modules: Any) -> float | None | bool:
@@ -74,8 +87,8 @@ def parse_auto(modules: Any) -> float | None | bool:
     return gib
 
 
-def unit_of(point: str) -> tuple[str, ...]:
-    return next(u for u in UNITS if point in u)
+def unit_of(point: str, units: tuple[tuple[str, ...], ...] = UNITS) -> tuple[str, ...]:
+    return next(u for u in units if point in u)
 
 
 class ChunkMarks:
@@ -133,8 +146,9 @@ def elapsed_ms(a: Any, b: Any) -> float:
 class AutoPlanner:
     """Per-process state of an auto run: probing, then a fixed plan (one per manager; reset with it)."""
 
-    def __init__(self, target_gib: float | None) -> None:
+    def __init__(self, target_gib: float | None, units: tuple[tuple[str, ...], ...] = UNITS) -> None:
         self.target_gib = target_gib
+        self.units = units  # UNITS or SPLIT_UNITS (attention_units)
         self.steps = 0
         self.plan: Plan | None = None
         self._marks: list[ChunkMarks] = []  # the measured step's handlers
@@ -174,11 +188,11 @@ class AutoPlanner:
     def offloaded(self, vp_stage: Any, microbatch: int, layer: int, point: str, nbytes: int) -> None:
         """One storage of ``point`` left the device in the measured step (a unit's bytes: the sum per microbatch)."""
         if self.measuring:
-            self._bytes[vp_stage][(layer, unit_of(point))][microbatch] += nbytes
+            self._bytes[vp_stage][(layer, unit_of(point, self.units))][microbatch] += nbytes
 
     def kept(self, vp_stage: Any, layer: int, point: str) -> None:
         if self.measuring:
-            self._kept[vp_stage].add((layer, unit_of(point)))
+            self._kept[vp_stage].add((layer, unit_of(point, self.units)))
 
     def peak_check(self, peak: int, live: dict[Any, int]) -> None:
         """The allocator's peak and the chunk forwards in flight per ``vp_stage``, at each layer start of the
@@ -227,7 +241,7 @@ class AutoPlanner:
                 prof.peak_bytes = {}
             for (vp, layer, point), nbytes in off_at_peak.items():
                 if vp in profiles:
-                    key = (layer, unit_of(point))
+                    key = (layer, unit_of(point, self.units))
                     profiles[vp].peak_bytes[key] = profiles[vp].peak_bytes.get(key, 0) + nbytes
         for vp, prof in profiles.items():
             prof.live_at_peak = max(1, self._live_at_peak.get(vp, 1))

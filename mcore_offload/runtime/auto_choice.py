@@ -32,9 +32,20 @@ JOINED_UNIT_COST = 0.4
 #: without them about 0.7-1.3 %. The runtime's host time already holds its own copy calls: counting them here too errs
 #: toward offloading less.
 TRAFFIC_SHARE_PER_GIB = 0.01
-#: Units whose points chain into one group when both are chosen in a layer (runtime/points.py, CHAIN_NEXT).
+#: Units whose points chain into one group in the probe, which offloads every point (runtime/points.py, CHAIN_NEXT):
+#: how the probe's host time is shared out over groups. A plan's own units use :func:`joins_a_group`.
 FAMILY: dict[tuple[str, ...], str] = {("qkv_linear",): "attention", ("core_attn", "attn_proj"): "attention",
+                                      ("core_attn",): "attention", ("attn_proj",): "attention",
                                       ("expert_fc1",): "experts", ("moe_act",): "experts"}
+#: A layer's point -> the point whose group it continues when both are on (runtime/points.py's CHAIN_NEXT read
+#: backwards; tests/test_auto.py checks the two agree). Only neighbours chain: with core_attn off, qkv_linear and
+#: attn_proj (a pair auto may pick under FP8) open a group each.
+CHAIN_PREVIOUS: dict[str, str] = {"core_attn": "qkv_linear", "attn_proj": "core_attn", "moe_act": "expert_fc1"}
+
+
+def joins_a_group(unit: tuple[str, ...], chosen: set[str] | frozenset[str]) -> bool:
+    """Whether ``unit`` would join a group of the points ``chosen`` in its layer instead of opening one."""
+    return any(CHAIN_PREVIOUS.get(p) in chosen or any(CHAIN_PREVIOUS.get(q) == p for q in chosen) for p in unit)
 
 
 @dataclass
@@ -165,12 +176,11 @@ def _host_ms(host: HostCost | None, picked: list, profiles: dict[Any, ChunkProfi
     """Exposed host time per step of ``picked`` units, with the kept units they bring along."""
     if host is None or not picked:
         return 0.0
-    seen: set[tuple[Any, int, str]] = set()
+    seen: dict[tuple[Any, int], set[str]] = defaultdict(set)
     total = _kept_ms(host, profiles)
     for nbytes, vp, layer, unit in picked:
-        key = (vp, layer, _family(unit))
-        total += host.unit_ms(vp, unit, joined=key in seen, nbytes=nbytes)
-        seen.add(key)
+        total += host.unit_ms(vp, unit, joined=joins_a_group(unit, seen[(vp, layer)]), nbytes=nbytes)
+        seen[(vp, layer)].update(unit)
     return total
 
 
@@ -189,13 +199,13 @@ def choose(profiles: dict[Any, ChunkProfile], link_GBps: float, need_bytes: int 
     remaining = [(nbytes, vp, layer, unit) for vp, p in profiles.items()
                  for (layer, unit), nbytes in p.unit_bytes.items() if nbytes > 0 and p.saving(layer, unit, nbytes) > 0]
     chosen: dict[Any, dict[int, int]] = {vp: {} for vp in profiles}
-    families: set[tuple[Any, int, str]] = set()
+    on: dict[tuple[Any, int], set[str]] = defaultdict(set)  # the points picked so far per (chunk, layer)
     picked: list[tuple[int, Any, int, tuple[str, ...]]] = []
     exposed: list[tuple[int, Any, int, tuple[str, ...]]] = []
 
     def cost(item: tuple) -> float:
         nbytes, vp, layer, unit = item
-        return 0.0 if host is None else host.unit_ms(vp, unit, joined=(vp, layer, _family(unit)) in families,
+        return 0.0 if host is None else host.unit_ms(vp, unit, joined=joins_a_group(unit, on[(vp, layer)]),
                                                      nbytes=nbytes)
 
     def value(item: tuple) -> int:
@@ -219,7 +229,7 @@ def choose(profiles: dict[Any, ChunkProfile], link_GBps: float, need_bytes: int 
         if (host is None or spent + c <= host.budget_ms) and _finish_times(profiles[vp], trial, rate):
             chosen[vp] = trial
             picked.append(item)
-            families.add((vp, layer, _family(unit)))
+            on[(vp, layer)].update(unit)
             spent += c
         else:
             exposed.append(item)

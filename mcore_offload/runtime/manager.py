@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from mcore_offload.config import choice_env, positive_int_env
-from mcore_offload.runtime.auto import AutoPlanner, clock_mark, elapsed_ms, parse_auto
+from mcore_offload.runtime.auto import AutoPlanner, attention_units, clock_mark, elapsed_ms, parse_auto
 from mcore_offload.runtime.auto_choice import Plan
 from mcore_offload.runtime.enabled import enabled_points_cached, in_backward, point_enabled
 from mcore_offload.runtime.handler import ChunkOffloadHandler
@@ -174,7 +174,7 @@ class OffloadManager:
             return
         target = parse_auto(config.offload_modules)
         if target is not False and self.auto is None:
-            self.auto = AutoPlanner(target)
+            self.auto = AutoPlanner(target, attention_units(config))
         found = self._protected.get(model)
         if found is None or (found[2] < PROTECTED_WALKS and found[3] != self._step_serial):
             # Walking every parameter costs about a millisecond on a large chunk, and storages are fixed once
