@@ -449,3 +449,12 @@ def test_a_dropout_outside_0_1_is_refused(capsys):
     rc = main(["plan", "--preset", "llama3-8b", "--hidden-dropout", "1.5"])
     assert rc == 2
     assert "a dropout probability must lie in [0, 1), got 1.5" in capsys.readouterr().err
+
+
+def test_moe_plans_note_the_routing_spread_measured_at_ep_2(capsys):
+    for ep, noted in ((1, False), (2, True)):
+        assert main(["plan", "--preset", "mixtral-8x7b", "--expert-model-parallel-size", str(ep),
+                     "--json", "/dev/null"]) == 0
+        out = capsys.readouterr().out
+        assert "MoE bytes assume balanced routing" in out
+        assert ("ranks moved 7.5 % more and less than this" in out) == noted

@@ -336,8 +336,12 @@ def _warnings(config: PlanConfig, layers: Mapping[str, LayerActivations], sets: 
                    "(peaks came out 1.7-5 % high), and the s^2 probabilities can outrun the link: a set whose "
                    "copies trail the forward lowers the peak by less than projected (docs/plan.md)")
     if model.num_experts:
-        out.append("MoE bytes assume balanced routing: each rank's experts receive seq x mbs x topk / d x ETP rows; "
-                   "MoE peaks are validated at TP = EP = 1 only (docs/plan.md)")
+        note = ("MoE bytes assume balanced routing: each rank's experts receive seq x mbs x topk / d x ETP rows; "
+                "MoE peaks are validated at TP = EP = 1 only (docs/plan.md)")
+        if layout.ep > 1:
+            # E-ep2 (2x H200, session 64): the two ranks moved 1927 and 1657 MiB a step where this projects 1792 each
+            note += "; at EP = 2 a measured run's ranks moved 7.5 % more and less than this (their sum exact)"
+        out.append(note)
     if model.name == "deepseek-v3":
         out.append("deepseek-v3: multi-latent attention is modelled as standard attention (128 heads of 128)")
     if target is not None:
