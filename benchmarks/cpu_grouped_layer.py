@@ -9,12 +9,13 @@ paired difference per layer and microbatch. CPU copies are memcpy, so this measu
 bookkeeping, not a GPU step. ``--pattern attention-set``: A's attention set, ``qkv_linear``, ``core_attn`` and
 ``attn_proj`` in a row (one chained group a layer). ``--paused``: the offloading steps run inside
 ``mcore_offload.paused()``, so the difference is what the points cost a step that offloads nothing
-(``pretrain_gpt.py``'s plain steps).
+(``pretrain_gpt.py``'s plain steps). ``--hooks-only``: every saved tensor is under ``min_offloaded_tensor_size``,
+so the points open their groups and the hooks see every tensor but nothing moves (the GPU host's ``hooks_only``).
 ``--stub-cuda``: the transport is the GPU's (``RawCudaTransport``: pinned-pool bookkeeping, events, fences, the C++
 copy loop) over ``cpu_transport_glue.py``'s stub CUDA runtime, whose calls return at once, so the figure is the
 runtime's host time on the GPU's code path less the CUDA calls themselves (needs a C compiler):
 
-    python benchmarks/cpu_grouped_layer.py [--pattern attention] [--pairs 400] [--experts 16] [--paused]
+    python benchmarks/cpu_grouped_layer.py [--pattern attention] [--pairs 400] [--experts 16] [--paused | --hooks-only]
         [--stub-cuda] [--json-out FILE]
 """
 
@@ -165,9 +166,10 @@ def install_stub_transport() -> None:
                                                                                            native=True)
 
 
-def points_config(modules: list[str], on: bool) -> SimpleNamespace:
+def points_config(modules: list[str], on: bool, min_size: int = 1) -> SimpleNamespace:
     """The TransformerConfig fields the offload points read."""
-    return SimpleNamespace(fine_grained_activation_offloading=on, offload_modules=modules, min_offloaded_tensor_size=1,
+    return SimpleNamespace(fine_grained_activation_offloading=on, offload_modules=modules,
+                           min_offloaded_tensor_size=min_size,
                            recompute_granularity=None, recompute_modules=None)
 
 
@@ -181,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--paused", action="store_true",
                    help="the offloading step runs inside mcore_offload.paused(): what the points cost a step that "
                         "offloads nothing (pretrain_gpt.py's plain steps)")
+    p.add_argument("--hooks-only", action="store_true",
+                   help="every saved tensor under min_offloaded_tensor_size (10^12 elements): the points, groups and "
+                        "hooks run and nothing is moved, as issue5_host.sh's hooks_only variant on the GPU host")
     p.add_argument("--stub-cuda", action="store_true",
                    help="the GPU's transport over a stub CUDA runtime (see the module docstring)")
     p.add_argument("--json-out", default=None)
@@ -199,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             points.step_boundary(lambda: [model(x, cfg).sum().backward() for _ in range(args.microbatches)])()
         return time.perf_counter() - t0
 
-    on, off = points_config(modules, True), points_config(modules, False)
+    on, off = points_config(modules, True, 10**12 if args.hooks_only else 1), points_config(modules, False)
     warmup = max(args.pairs // 20, 1)
     diffs = []
     for i in range(args.pairs + warmup):
@@ -212,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.paused:
         if last is not None:
             raise SystemExit("a paused step offloaded: the benchmark measured offloading (a bug in this script)")
+    elif args.hooks_only:
+        # a step that moves nothing leaves no step record
+        if last is not None and last.total("offloaded"):
+            raise SystemExit("a hooks-only step offloaded: the benchmark measured offloading (a bug in this script)")
     elif last is None or last.total("offloaded") == 0:
         raise SystemExit("nothing was offloaded: the benchmark measured no offloading (a bug in this script)")
     else:
@@ -219,9 +228,9 @@ def main(argv: list[str] | None = None) -> int:
                     last.total("offloaded"), last.total("skipped_aliased"), last.total("kept_on_device"))
     per = statistics.median(diffs) * 1e6 / (args.layers * args.microbatches)
     transport = type(transport_for(torch.device("cpu"))).__name__  # what made the last step's copies
-    logger.info("added per layer and microbatch%s: median %.1f us (%d pairs, pattern %s, %d experts%s)",
-                " (paused)" if args.paused else "", per, args.pairs, args.pattern, args.experts,
-                ", stub CUDA transport" if args.stub_cuda else "")
+    mode = " (paused)" if args.paused else " (hooks only)" if args.hooks_only else ""
+    logger.info("added per layer and microbatch%s: median %.1f us (%d pairs, pattern %s, %d experts%s)", mode, per,
+                args.pairs, args.pattern, args.experts, ", stub CUDA transport" if args.stub_cuda else "")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"added_us_per_layer_microbatch": per, "transport": transport,
                                                    **vars(args)}, indent=1))
