@@ -247,6 +247,12 @@ def test_cpu_grouped_layer_measures_an_offloading_step(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(out.read_text())["paused"] is True and "(paused)" in proc.stderr
+    # --hooks-only: every saved tensor under the size floor (the script fails if one of the steps offloaded)
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_grouped_layer.py"), "--pairs", "4",
+                           "--layers", "2", "--pattern", "attention", "--hooks-only", "--json-out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(out.read_text())["hooks_only"] is True and "(hooks only)" in proc.stderr
 
 
 def test_cpu_points_glue_times_both_glues_in_one_process(tmp_path):
