@@ -61,3 +61,12 @@ def test_dmaload_all_copies_at_every_layer_and_dmaload_leaves_the_last_out(tmp_p
     for args in (some, every):
         assert "--dma-load-mib 48 48 " in args and "--fine-grained-activation-offloading" not in args
     assert "--dma-load-every-layer" in every and "--dma-load-every-layer" not in some
+
+
+def test_experts_hooks_runs_the_expert_points_with_nothing_large_enough_to_move(tmp_path):
+    runs = _launches(tmp_path, "alt_experts_hooks alt_experts")
+    assert len(runs) == 2
+    (_, hooks), (_, experts) = runs
+    assert "--offload-modules expert_fc1 moe_act --min-offloaded-tensor-size 1000000000000" in hooks
+    assert "--offload-modules expert_fc1 moe_act" in experts and "--min-offloaded-tensor-size" not in experts
+    assert "--alternate-offload" in hooks and "--alternate-offload" in experts

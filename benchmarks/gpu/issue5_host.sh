@@ -51,7 +51,8 @@
 #    MCORE_OFFLOAD_COALESCE_RELOADS=1 (one reload copy per group). NAME_py: the Python
 #    saved-tensor hooks (MCORE_OFFLOAD_NATIVE=0; every other run sets MCORE_OFFLOAD_NATIVE=${NATIVE:-1}: C++ or fail). NAME@native: NAME on upstream's
 #    megatron-core 0.16.1 (NATIVE_TREE), its native offloading; alt_NAME@native alternates it too. "all5_hooks": the
-#    five MoE points with nothing large enough to move (hooks_only for CONFIG=C); "attn_hooks" the same for the
+#    five MoE points with nothing large enough to move (hooks_only for CONFIG=C); "experts_hooks" the same for
+#    expert_fc1 moe_act (C experts' points alone, session 65); "attn_hooks" the same for the
 #    attention set; "attn_nopack" that again without the saved-tensor hooks (--without-pack-hooks: what their
 #    dispatch costs), "attn_nonode" without the node hooks (--without-node-hooks), "attn_bare" without both. EXTRA: more pretrain_gpt.py flags
 #    for every run (EXTRA=--peak-trace: what was live at step 1's peak, benchmarks/peak_trace.py).
@@ -134,6 +135,7 @@ for rep in $(seq 1 "${REPS:-2}"); do
         experts) flags="--fine-grained-activation-offloading --offload-modules expert_fc1 moe_act" ;;
         all5) flags="--fine-grained-activation-offloading --offload-modules qkv_linear core_attn attn_proj expert_fc1 moe_act" ;;
         attn_hooks) flags="--fine-grained-activation-offloading --offload-modules qkv_linear core_attn attn_proj --min-offloaded-tensor-size 1000000000000" ;;
+        experts_hooks) flags="--fine-grained-activation-offloading --offload-modules expert_fc1 moe_act --min-offloaded-tensor-size 1000000000000" ;;
         all5_hooks) flags="--fine-grained-activation-offloading --offload-modules qkv_linear core_attn attn_proj expert_fc1 moe_act --min-offloaded-tensor-size 1000000000000" ;;
         attn_nopack) flags="--fine-grained-activation-offloading --offload-modules qkv_linear core_attn attn_proj --min-offloaded-tensor-size 1000000000000 --without-pack-hooks" ;;
         attn_nonode) flags="--fine-grained-activation-offloading --offload-modules qkv_linear core_attn attn_proj --min-offloaded-tensor-size 1000000000000 --without-node-hooks" ;;
