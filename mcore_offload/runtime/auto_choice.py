@@ -38,7 +38,7 @@ FAMILY: dict[tuple[str, ...], str] = {("qkv_linear",): "attention", ("core_attn"
                                       ("core_attn",): "attention", ("attn_proj",): "attention",
                                       ("expert_fc1",): "experts", ("moe_act",): "experts"}
 #: A layer's point -> the point whose group it continues when both are on (runtime/points.py's CHAIN_NEXT read
-#: backwards; tests/test_auto.py checks the two agree). Only neighbours chain: with core_attn off, qkv_linear and
+#: backwards; tests/test_auto_units.py checks the two agree). Only neighbours chain: with core_attn off, qkv_linear and
 #: attn_proj (a pair auto may pick under FP8) open a group each.
 CHAIN_PREVIOUS: dict[str, str] = {"core_attn": "qkv_linear", "attn_proj": "core_attn", "moe_act": "expert_fc1"}
 
