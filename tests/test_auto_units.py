@@ -12,15 +12,19 @@ from types import SimpleNamespace
 
 import pytest
 
+from mcore_offload.runtime import auto as auto_module
 from mcore_offload.runtime import points
-from mcore_offload.runtime.auto import PROBE_STEPS, SPLIT_UNITS, UNITS, AutoPlanner, attention_units
+from mcore_offload.runtime.auto import PROBE_STEPS, SPLIT_UNITS, UNITS, AutoPlanner, attention_units, unit_of
 from mcore_offload.runtime.auto_choice import (
     CHAIN_PREVIOUS,
     JOINED_UNIT_COST,
     HostCost,
     choose,
     joins_a_group,
+    layer_groups,
+    probe_groups,
 )
+from mcore_offload.runtime.handler import ChunkOffloadHandler
 from mcore_offload.runtime.manager import get_manager
 from tests.harness.gpt import init_parallel
 from tests.test_auto import auto_against_plain, profile
@@ -100,6 +104,57 @@ def test_the_host_cost_of_qkv_linear_with_attn_proj_is_two_groups():
     assert choose({None: prof}, 1000.0, host=host).host_ms == pytest.approx(2.0)
     prof = profile(1, 10.0, {CORE: 8 * MiB, QKV: 24 * MiB})
     assert choose({None: prof}, 1000.0, host=host).host_ms == pytest.approx(1.0 + JOINED_UNIT_COST)
+
+
+def test_the_probe_counts_a_group_per_chain_of_neighbours():
+    J = JOINED_UNIT_COST
+    assert layer_groups({QKV, CA}) == pytest.approx(1 + J)  # 16-bit attention: one chain
+    assert layer_groups({QKV, CORE, PROJ}) == pytest.approx(1 + 2 * J)  # split units, all on: one chain
+    assert layer_groups({QKV, PROJ}) == pytest.approx(2.0)  # core_attn left out (its recompute): a gap
+    assert layer_groups({("attn_norm",), QKV, CA, ("mlp_norm",), ("expert_fc1",), ("moe_act",)}) == \
+        pytest.approx(4 + 2 * J)
+    assert layer_groups({QKV, CORE, PROJ}, chaining=False) == 3.0
+    assert probe_groups({None: 2, 1: 3}, {None: {(1, QKV), (1, PROJ), (2, QKV)}, 1: {(1, CA)}}) == \
+        pytest.approx(2 * 3 + 3 * 1)
+
+
+@pytest.mark.usefixtures("checkpoint_without_te")
+@pytest.mark.parametrize("base", [dict(), dict(recompute_granularity="selective", recompute_modules=["core_attn"])],
+                         ids=["bf16", "core_attn-recompute"])
+def test_the_probes_group_count_is_the_groups_the_runtime_opened(base, monkeypatch):
+    """The probe's host time is shared out over the groups that moved bytes in the measured step: the count from the
+    units with bytes (``probe_groups``) equals the groups the handlers opened there, each further unit with bytes of
+    a group counting JOINED_UNIT_COST. Under core_attn recompute the probe leaves core_attn out, and qkv_linear and
+    attn_proj open a group each (counting them as one chain, as a family table did before session 66, overstated
+    each group's host time by 2 / 1.4)."""
+    init_parallel()
+    opened, probed = [], []
+    real_open, real_cost = ChunkOffloadHandler.open_group, auto_module.host_cost
+
+    def open_group(self, name):
+        group = real_open(self, name)
+        if self.manager.auto is not None and self.manager.auto.measuring:
+            opened.append(group)
+        return group
+
+    def host_cost(runtime_ms, wall_ms, exposure, microbatches, unit_layers, chaining=True):
+        probed.append((probe_groups(microbatches, unit_layers, chaining), unit_layers[None]))
+        return real_cost(runtime_ms, wall_ms, exposure, microbatches, unit_layers, chaining)
+
+    monkeypatch.setattr(ChunkOffloadHandler, "open_group", open_group)
+    monkeypatch.setattr(auto_module, "host_cost", host_cost)
+    auto_against_plain(base)
+    units = get_manager().auto.units
+    assert len(probed) == 1 and opened
+    counted, with_bytes = probed[0]
+    runtime = 0.0
+    for g in opened:  # layer 1's attn_norm saves only tensors under the size floor here: no bytes, not counted
+        moved = {unit_of(p, units) for p in g.points} & {u for layer, u in with_bytes if layer == g.layer}
+        runtime += 1 + JOINED_UNIT_COST * (len(moved) - 1) if moved else 0.0
+    assert counted == pytest.approx(runtime)
+    if base:  # the gap: no group spans qkv_linear and attn_proj
+        assert (1, PROJ) in with_bytes and (1, QKV) in with_bytes
+        assert not any({"qkv_linear", "attn_proj"} <= set(g.points) for g in opened)
 
 
 @pytest.mark.usefixtures("checkpoint_without_te")

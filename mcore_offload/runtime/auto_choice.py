@@ -32,11 +32,6 @@ JOINED_UNIT_COST = 0.4
 #: without them about 0.7-1.3 %. The runtime's host time already holds its own copy calls: counting them here too errs
 #: toward offloading less.
 TRAFFIC_SHARE_PER_GIB = 0.01
-#: Units whose points chain into one group in the probe, which offloads every point (runtime/points.py, CHAIN_NEXT):
-#: how the probe's host time is shared out over groups. A plan's own units use :func:`joins_a_group`.
-FAMILY: dict[tuple[str, ...], str] = {("qkv_linear",): "attention", ("core_attn", "attn_proj"): "attention",
-                                      ("core_attn",): "attention", ("attn_proj",): "attention",
-                                      ("expert_fc1",): "experts", ("moe_act",): "experts"}
 #: A layer's point -> the point whose group it continues when both are on (runtime/points.py's CHAIN_NEXT read
 #: backwards; tests/test_auto_units.py checks the two agree). Only neighbours chain: with core_attn off, qkv_linear and
 #: attn_proj (a pair auto may pick under FP8) open a group each.
@@ -89,8 +84,19 @@ class HostCost:
         return self.exposure * self.group_ms * share * mb + self.gib_ms * nbytes * mb / 2**30
 
 
-def _family(unit: tuple[str, ...]) -> str:
-    return FAMILY.get(unit, unit[0])
+def layer_groups(units: list[tuple[str, ...]] | set[tuple[str, ...]], chaining: bool = True) -> float:
+    """Group-equivalents of one layer-microbatch offloading ``units``: a group per chain of neighbouring units
+    (:func:`joins_a_group`, the runtime's rule), each further unit of a chain counting JOINED_UNIT_COST. Where a
+    chain has a gap (core_attn left out under its recompute) qkv_linear and attn_proj are two groups."""
+    units = sorted(units)
+    if not chaining:
+        return float(len(units))
+    chains: list[set[str]] = []  # the points of each chain found so far
+    for unit in units:
+        linked = [c for c in chains if joins_a_group(unit, c)]
+        merged = set(unit).union(*linked)
+        chains = [c for c in chains if not any(c is m for m in linked)] + [merged]
+    return len(chains) + JOINED_UNIT_COST * (len(units) - len(chains))
 
 
 def host_cost(runtime_ms: float, wall_ms: float, exposure: float | None, microbatches: dict[Any, int],
@@ -98,21 +104,27 @@ def host_cost(runtime_ms: float, wall_ms: float, exposure: float | None, microba
     """The probe's host figures as a :class:`HostCost` (None where no exposure could be measured: the CPU).
 
     ``unit_layers``: per chunk, the (layer, unit) the probe offloaded or kept; the probe's host time is shared
-    out over them as groups (a unit joining its family's group in the same layer counts JOINED_UNIT_COST).
+    out over them as groups (:func:`probe_groups`).
     """
     if exposure is None:
         return None
-    groups = 0.0
-    for vp, units in unit_layers.items():
-        per_layer: dict[tuple[int, str], int] = defaultdict(int)
-        for layer, unit in units:
-            per_layer[(layer, _family(unit) if chaining else unit[0])] += 1
-        groups += microbatches.get(vp, 1) * sum(1 + JOINED_UNIT_COST * (n - 1) if chaining else n
-                                                for n in per_layer.values())
+    groups = probe_groups(microbatches, unit_layers, chaining)
     group_ms = runtime_ms / groups if groups else 0.0
     plain_ms = max(wall_ms - exposure * runtime_ms, 0.0)
     return HostCost(exposure, group_ms, HOST_BUDGET * plain_ms, dict(microbatches), chaining,
                     gib_ms=exposure * TRAFFIC_SHARE_PER_GIB * plain_ms)
+
+
+def probe_groups(microbatches: dict[Any, int], unit_layers: dict[Any, set[tuple[int, tuple[str, ...]]]],
+                 chaining: bool = True) -> float:
+    """Group-equivalents of the probe step: :func:`layer_groups` of each chunk's layers, times its microbatches."""
+    groups = 0.0
+    for vp, units in unit_layers.items():
+        per_layer: dict[int, list[tuple[str, ...]]] = defaultdict(list)
+        for layer, unit in units:
+            per_layer[layer].append(unit)
+        groups += microbatches.get(vp, 1) * sum(layer_groups(u, chaining) for u in per_layer.values())
+    return groups
 
 
 @dataclass
