@@ -113,6 +113,12 @@ def attn_proj_alone_frees_nothing(names: Iterable[str], recomputed: Iterable[str
     return "attn_proj" in names and "core_attn" not in names and "core_attn" not in set(recomputed) and not fp8
 
 
+def attn_proj_frees_alone(recomputed: Iterable[str], fp8: bool) -> bool:
+    """Whether attn_proj frees memory without core_attn (FP8 or core_attn recompute): where it does, the planner and
+    ``auto`` treat it as a point of its own, where it does not, only together with core_attn."""
+    return not attn_proj_alone_frees_nothing(("attn_proj",), recomputed, fp8)
+
+
 def recompute_conflicts(recomputed: set[str] | frozenset[str]) -> dict[str, str]:
     """Offload points that selective recompute of the ``recomputed`` modules rules out, each with its module.
     Explicit names are refused; ``auto`` leaves these points out."""

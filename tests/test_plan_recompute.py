@@ -96,3 +96,20 @@ def test_plan_refuses_what_a_run_would_refuse_under_recompute(capsys, recompute,
                recompute, "--offload-modules", point])
     assert rc == 2
     assert f"offload_modules has '{point}', but selective recompute of '{recompute}'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("model", "recompute"), [(DENSE, ("core_attn",)), (MOE, ("core_attn",)),
+                                                  (MOE, ("moe_act",)), (MOE, ("layernorm", "core_attn"))],
+                         ids=["dense-core_attn", "moe-core_attn", "moe-moe_act", "moe-layernorm+core_attn"])
+def test_every_set_the_plan_shows_under_recompute_is_one_a_run_accepts(model, recompute):
+    """Under core_attn recompute attn_proj frees its bytes alone, so neither the sets shown nor the recommendation
+    pair it with core_attn, which a run refuses there (until session 66 the plan recommended `qkv_linear core_attn
+    attn_proj` under core_attn recompute, and showed that set as "attention")."""
+    kw = dict(recompute_granularity="selective", recompute_modules=recompute)
+    plan = plan_for(model, **kw)
+    shown = [s.modules for s in plan.sets if s.modules] + [plan.recommendation.modules]
+    assert plan.recommendation.modules
+    for modules in shown:
+        plan_for(model, **kw, offload_modules=tuple(modules))  # raises PlanError on a set a run would refuse
+    if "core_attn" in recompute:
+        assert all("core_attn" not in m for m in shown) and ("attn_proj",) in shown

@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from mcore_offload.config import OFFLOAD_MODULES
+from mcore_offload.config import OFFLOAD_MODULES, attn_proj_frees_alone, recompute_conflicts
 from mcore_offload.plan.activations import LayerActivations, layer_activations, summarize
 from mcore_offload.plan.hardware import (
     Hardware,
@@ -199,15 +199,16 @@ def _offload_sets(layers: Mapping[str, LayerActivations], training: TrainingSpec
     """(label, modules): none, each useful point alone, the attention and MoE sets, all, requested, recommended."""
     useful = [m for m, nbytes in summarize(layers).items() if nbytes > 0]
     sets: list[tuple[str, tuple[str, ...]]] = [("none", ())]
-    for m in useful:  # attn_proj alone only under FP8, where the projection saves its own copy
-        paired = m == "attn_proj" and not training.fp8
+    alone = attn_proj_frees_alone(training.recomputed, training.fp8)
+    for m in useful:  # attn_proj alone only where it frees memory alone (FP8, core_attn recompute)
+        paired = m == "attn_proj" and not alone
         sets.append(("core_attn+attn_proj", ("core_attn", "attn_proj")) if paired else (m, (m,)))
-    if any(m in useful for m in ATTENTION_SET):
-        sets.append(("attention", ATTENTION_SET))
-    if any(m in useful for m in MOE_SET):
-        sets.append(("moe", MOE_SET))
+    refused = recompute_conflicts(training.recomputed)  # a run refuses these points: no set shown may hold them
+    for label, fixed in (("attention", ATTENTION_SET), ("moe", MOE_SET)):
+        if any(m in useful for m in fixed):
+            sets.append((label, tuple(m for m in fixed if m not in refused)))
     everything = tuple(m for m in OFFLOAD_MODULES if m in useful
-                       or (m == "core_attn" and "attn_proj" in useful and not training.fp8))
+                       or (m == "core_attn" and "attn_proj" in useful and not alone))
     if everything:
         sets.append(("all", everything))
     merged: dict[tuple[str, ...], str] = {}
@@ -277,7 +278,8 @@ def build_plan(config: PlanConfig) -> Plan:
     demands = [RankDemand(off, None if target is None else static + base - target,
                           {s: t.delta_peak(s) for s in subsets})
                for off, static, base, t in zip(offloaded, statics, baseline, timelines)]
-    rec = recommend(costs, hw.link, demands, max_exposed=config.max_exposed, attn_proj_alone=training.fp8)
+    rec = recommend(costs, hw.link, demands, max_exposed=config.max_exposed,
+                    attn_proj_alone=attn_proj_frees_alone(training.recomputed, training.fp8))
 
     sets, freed = [], {}
     for label, modules in _offload_sets(layers, training, rec):

@@ -55,7 +55,8 @@ class Recommendation:
 
 def valid_sets(points: Sequence[str], attn_proj_alone: bool = False) -> list[tuple[str, ...]]:
     """Every non-empty set of ``points`` that megatron accepts (``attn_proj`` needs ``core_attn`` unless
-    ``attn_proj_alone``: under FP8 the projection saves its own copy), in the canonical order of
+    ``attn_proj_alone``: under FP8 the projection saves its own copy, under core_attn recompute the
+    checkpoint keeps no output), in the canonical order of
     ``OFFLOAD_MODULES``."""
     names = [m for m in OFFLOAD_MODULES if m in set(points)]
     out = []
@@ -88,7 +89,8 @@ def recommend(costs: Mapping[str, LayerCost], link: LinkSpeed, demands: Sequence
               max_exposed: float = MAX_EXPOSED, backward_factor: float = BACKWARD_FACTOR,
               attn_proj_alone: bool = False) -> Recommendation:
     """The recommended set; see the module docstring. ``costs`` maps a layer kind to its :class:`LayerCost`;
-    without ``demands`` every kind counts once. ``attn_proj_alone``: see :func:`valid_sets` (FP8)."""
+    without ``demands`` every kind counts once. ``attn_proj_alone``: see :func:`valid_sets` (FP8, core_attn
+    recompute)."""
     if not demands:
         demands = (RankDemand({kind: 1 for kind in costs}),)
     useful = {m for m in OFFLOAD_MODULES if any(c.point_bytes.get(m, 0) > 0 for c in costs.values())}

@@ -34,7 +34,7 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from mcore_offload.config import attn_proj_alone_frees_nothing, selectively_recomputed
+from mcore_offload.config import attn_proj_frees_alone, selectively_recomputed
 from mcore_offload.runtime.auto_choice import ChunkProfile, HostCost, Plan, choose, host_cost
 
 logger = logging.getLogger(__name__)
@@ -56,8 +56,8 @@ SPLIT_UNITS: tuple[tuple[str, ...], ...] = tuple((p,) for u in UNITS for p in u)
 def attention_units(config: Any) -> tuple[tuple[str, ...], ...]:
     """The units auto plans for ``config``: :data:`SPLIT_UNITS` where attn_proj alone frees memory (the rule the
     config's validation applies to an explicit list), else :data:`UNITS`."""
-    fp8 = bool(getattr(config, "fp8", None))
-    return UNITS if attn_proj_alone_frees_nothing(("attn_proj",), selectively_recomputed(config), fp8) else SPLIT_UNITS
+    return SPLIT_UNITS if attn_proj_frees_alone(selectively_recomputed(config), bool(getattr(config, "fp8", None))) \
+        else UNITS
 
 
 def parse_auto(modules: Any) -> float | None | bool:
