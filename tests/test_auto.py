@@ -7,10 +7,12 @@ import logging
 import pytest
 
 from mcore_offload.config import validate_offload_modules
+from mcore_offload.runtime import auto_choice
 from mcore_offload.runtime.auto import PROBE_STEPS, AutoPlanner, ChunkMarks, parse_auto
 from mcore_offload.runtime.auto_choice import (
     HOST_BUDGET,
     JOINED_UNIT_COST,
+    OUTSIDE_CLOCK,
     TRAFFIC_SHARE_PER_GIB,
     ChunkProfile,
     HostCost,
@@ -180,14 +182,34 @@ def test_a_target_outranks_the_host_budget():
 
 
 def test_host_cost_shares_the_probe_host_time_over_groups_and_leaves_out_its_own_exposed_part():
+    """The clock's reading plus what it cannot see (OUTSIDE_CLOCK of it) is shared over the probe's groups."""
+    k = 1.0 + OUTSIDE_CLOCK
     units = {None: {(1, CA), (1, QKV), (2, CA)}}  # layer 1: one chained group of two units; layer 2: one group
     hc = host_cost(runtime_ms=2 * (1 + JOINED_UNIT_COST + 1) * 3.0, wall_ms=500.0, exposure=0.5,
                    microbatches={None: 2}, unit_layers=units)
-    assert hc.group_ms == pytest.approx(3.0)
-    assert hc.budget_ms == pytest.approx(HOST_BUDGET * (500.0 - 0.5 * 2 * 2.4 * 3.0))
-    assert hc.unit_ms(None, QKV, joined=True) == pytest.approx(0.5 * 3.0 * JOINED_UNIT_COST * 2)
+    assert hc.group_ms == pytest.approx(3.0 * k)
+    assert hc.budget_ms == pytest.approx(HOST_BUDGET * (500.0 - 0.5 * 2 * 2.4 * 3.0 * k))
+    assert hc.unit_ms(None, QKV, joined=True) == pytest.approx(0.5 * 3.0 * k * JOINED_UNIT_COST * 2)
     unchained = host_cost(6.0, 500.0, 1.0, {None: 1}, units, chaining=False)
-    assert unchained.group_ms == pytest.approx(2.0) and unchained.unit_ms(None, QKV, joined=True) == 2.0
+    assert unchained.group_ms == pytest.approx(2.0 * k) and unchained.unit_ms(None, QKV, joined=True) == 2.0 * k
+
+
+def test_the_host_cost_counts_more_than_the_runtime_clock(monkeypatch):
+    """The points with nothing moved cost about what the clock reads (sessions 65-67), so a plan priced by the clock
+    alone overspends its budget: from the same probe the plan must take fewer layers than the clock alone allows."""
+    units = {None: {(layer, CA) for layer in range(1, 9)}}
+    prof = profile(8, 5.0, {CA: 8 * MiB})
+
+    def layers_chosen() -> int:
+        # 8 layers x 4 microbatches, 32 ms on the clock (1 ms a group by the clock), a 1 s launch-bound step: a
+        # budget of about 14 ms fits three layers at 4 ms each by the clock, one at 8 ms with what it cannot see
+        hc = host_cost(runtime_ms=32.0, wall_ms=1000.0, exposure=1.0, microbatches={None: 4}, unit_layers=units)
+        return len([v for v in choose({None: prof}, 1000.0, host=hc).points.values() if v])
+
+    with_outside = layers_chosen()
+    monkeypatch.setattr(auto_choice, "OUTSIDE_CLOCK", 0.0)
+    clock_only = layers_chosen()
+    assert OUTSIDE_CLOCK > 0 and 0 < with_outside < clock_only == 3
     assert host_cost(6.0, 500.0, None, {None: 1}, units) is None  # no device clock: not measured
 
 
@@ -197,7 +219,7 @@ def test_the_bytes_a_unit_moves_cost_step_time_of_their_own_where_the_step_is_la
     leave a layer out."""
     units = {None: {(1, CA)}}
     hc = host_cost(runtime_ms=4.0, wall_ms=504.0, exposure=0.5, microbatches={None: 4}, unit_layers=units)
-    plain_ms = 504.0 - 0.5 * 4.0
+    plain_ms = 504.0 - 0.5 * 4.0 * (1.0 + OUTSIDE_CLOCK)
     assert hc.gib_ms == pytest.approx(0.5 * TRAFFIC_SHARE_PER_GIB * plain_ms)
     group_only = hc.unit_ms(None, CA, joined=False)
     assert hc.unit_ms(None, CA, joined=False, nbytes=2**30) == pytest.approx(group_only + 4 * hc.gib_ms)
@@ -277,9 +299,9 @@ def test_the_probe_measures_one_step_and_traces_the_peak_in_the_next():
     # layer 2 was back on the device at the peak: only layer 1 saves, with the measured step's link and bytes
     assert {k: set(v) for k, v in plan.points.items() if v} == {(None, 1): {"core_attn", "attn_proj"}}
     assert plan.link_GBps == 50.0 and plan.expected_saving_bytes == 16 * MiB
-    # the host time is the measured step's (4 ms over one chunk forward's two groups), not the peak step's (400 ms:
-    # nothing would fit the 15 ms budget)
-    assert plan.host.exposure == 1.0 and plan.host.group_ms == pytest.approx(2.0)
+    # the host time is the measured step's (4 ms on the clock over one chunk forward's two groups, with what the
+    # clock cannot see), not the peak step's (400 ms: nothing would fit the 15 ms budget)
+    assert plan.host.exposure == 1.0 and plan.host.group_ms == pytest.approx(2.0 * (1.0 + OUTSIDE_CLOCK))
 
 
 def test_a_probe_that_peaked_with_nothing_off_the_device_ranks_units_by_bytes():
