@@ -192,6 +192,7 @@ def test_host_cost_shares_the_probe_host_time_over_groups_and_leaves_out_its_own
     assert hc.unit_ms(None, QKV, joined=True) == pytest.approx(0.5 * 3.0 * k * JOINED_UNIT_COST * 2)
     unchained = host_cost(6.0, 500.0, 1.0, {None: 1}, units, chaining=False)
     assert unchained.group_ms == pytest.approx(2.0 * k) and unchained.unit_ms(None, QKV, joined=True) == 2.0 * k
+    assert host_cost(6.0, 500.0, None, {None: 1}, units) is None  # no device clock: not measured
 
 
 def test_the_host_cost_counts_more_than_the_runtime_clock(monkeypatch):
@@ -210,7 +211,6 @@ def test_the_host_cost_counts_more_than_the_runtime_clock(monkeypatch):
     monkeypatch.setattr(auto_choice, "OUTSIDE_CLOCK", 0.0)
     clock_only = layers_chosen()
     assert OUTSIDE_CLOCK > 0 and 0 < with_outside < clock_only == 3
-    assert host_cost(6.0, 500.0, None, {None: 1}, units) is None  # no device clock: not measured
 
 
 def test_the_bytes_a_unit_moves_cost_step_time_of_their_own_where_the_step_is_launch_bound():

@@ -27,7 +27,7 @@ JOINED_UNIT_COST = 0.4
 #: nothing moved cost about as much as the clock reads with the bytes: A `core_attn` +2.83 % pooled (about 11 ms a
 #: step) against a clock of 13 ms, C experts +2.01 % (about 14 ms) against 8-9 ms (1x H200, sessions 65-67); on the
 #: CPU the clock saw about half of the runtime's cost (session 41). With the clock alone, `auto`'s plans on A and C
-#: were expected to cost 1.3-1.5 % of the step and measured +2.30 % and +2.88 % (three calls each, session 67).
+#: were expected to cost 1.3-1.5 % of the step and measured +2.30 % and +2.88 % (three calls each, sessions 66-67).
 OUTSIDE_CLOCK = 1.0
 #: Share of the plain step that moving 1 GiB out and back in a step costs by itself where the step is launch-bound
 #: (exposure 1), beyond the runtime's own host time: the host thread runs slower while reloads stream in, whoever
