@@ -209,6 +209,21 @@ def choice_env(name: str, default: str, choices: tuple[str, ...], advice: str | 
     return value
 
 
+def nonnegative_float_env(name: str, default: float, advice: str) -> float:
+    """Environment variable ``name`` as a finite float of at least 0 (``default`` when unset); a bad value is one
+    clear sentence ending with ``advice``."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value < float("inf"):
+        raise ValueError(f"{name}={raw!r} is not a number of at least 0; {advice}")
+    return value
+
+
 def positive_int_env(name: str, default: int, advice: str) -> int:
     """Environment variable ``name`` as a positive int (``default`` when unset); a bad value is one clear sentence
     ending with ``advice`` (what to set instead)."""

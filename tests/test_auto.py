@@ -8,7 +8,14 @@ import pytest
 
 from mcore_offload.config import validate_offload_modules
 from mcore_offload.runtime import auto_choice
-from mcore_offload.runtime.auto import PROBE_STEPS, AutoPlanner, ChunkMarks, parse_auto
+from mcore_offload.runtime.auto import (
+    OUTSIDE_CLOCK_VARIABLE,
+    PROBE_STEPS,
+    AutoPlanner,
+    ChunkMarks,
+    caught_up_by_layer,
+    parse_auto,
+)
 from mcore_offload.runtime.auto_choice import (
     HOST_BUDGET,
     JOINED_UNIT_COST,
@@ -211,6 +218,26 @@ def test_the_host_cost_counts_more_than_the_runtime_clock(monkeypatch):
     monkeypatch.setattr(auto_choice, "OUTSIDE_CLOCK", 0.0)
     clock_only = layers_chosen()
     assert OUTSIDE_CLOCK > 0 and 0 < with_outside < clock_only == 3
+    explicit = host_cost(32.0, 1000.0, 1.0, {None: 4}, units, outside_clock=2.0)  # the argument wins over the constant
+    assert explicit.group_ms == pytest.approx(3.0) and explicit.outside_clock == 2.0
+
+
+def test_the_variable_sets_the_host_time_outside_the_clock_and_a_bad_value_is_one_sentence(monkeypatch, caplog):
+    """MCORE_OFFLOAD_AUTO_OUTSIDE_CLOCK=0 prices a group at the clock alone (the model before session 67), for
+    comparing the two on one host; the plan line says which was used."""
+    with caplog.at_level(logging.INFO, logger="mcore_offload.runtime.auto"):
+        plan = _probe({(None, 1, "core_attn"): 16 * MiB})[1][-1]
+    assert "where the GPU had caught up with the host, of the measured step's microbatches: chunk None: L2 1/1 " \
+           "L3 1/1" in caplog.text
+    assert plan.host.group_ms == pytest.approx(2.0 * (1.0 + OUTSIDE_CLOCK))
+    assert f"with {OUTSIDE_CLOCK:.1f}x the clock outside it" in plan.describe()
+    monkeypatch.setenv(OUTSIDE_CLOCK_VARIABLE, "0")
+    plan = _probe({(None, 1, "core_attn"): 16 * MiB})[1][-1]
+    assert plan.host.group_ms == pytest.approx(2.0) and "with 0.0x the clock outside it" in plan.describe()
+    for bad in ("-1", "lots", "inf"):
+        monkeypatch.setenv(OUTSIDE_CLOCK_VARIABLE, bad)
+        with pytest.raises(ValueError, match=f"{OUTSIDE_CLOCK_VARIABLE}=.* is not a number of at least 0; set it"):
+            AutoPlanner(None)
 
 
 def test_the_bytes_a_unit_moves_cost_step_time_of_their_own_where_the_step_is_launch_bound():
@@ -252,6 +279,22 @@ def test_marks_count_the_layer_starts_where_the_gpu_had_caught_up():
     for t in (1.0, 2.0):
         host.layer_started(t)  # host clocks (CPU): nothing to compare with
     assert host.checks == 0
+
+
+def test_the_probe_log_says_at_which_layers_the_gpu_had_caught_up():
+    """Per chunk and layer, over the chunk's forwards (microbatches): where the step exposes host time."""
+    marks = []
+    for vp, pattern in ((0, (True, False, True)), (0, (True, True, False)), (1, (False, False, False))):
+        m = ChunkMarks(vp)
+        for done in pattern:
+            m.layer_started(_Mark(done))
+        m.layer_started(_Mark(True))  # the last start checks the one before it
+        marks.append(m)
+    assert caught_up_by_layer(marks) == "chunk 0: L2 2/2 L3 1/2 L4 1/2; chunk 1: L2 0/1 L3 0/1 L4 0/1"
+    cpu = ChunkMarks(None)
+    for t in (1.0, 2.0):
+        cpu.layer_started(t)
+    assert caught_up_by_layer([cpu]) == ""
 
 
 def test_a_units_bytes_are_its_storages_summed_per_microbatch():

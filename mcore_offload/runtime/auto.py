@@ -34,8 +34,8 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from mcore_offload.config import attn_proj_frees_alone, selectively_recomputed
-from mcore_offload.runtime.auto_choice import ChunkProfile, HostCost, Plan, choose, host_cost
+from mcore_offload.config import attn_proj_frees_alone, nonnegative_float_env, selectively_recomputed
+from mcore_offload.runtime.auto_choice import OUTSIDE_CLOCK, ChunkProfile, HostCost, Plan, choose, host_cost
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,16 @@ UNITS: tuple[tuple[str, ...], ...] = (
 #: FP8 copy; core_attn recompute: the checkpoint keeps no output), planning the two together would make auto take
 #: core_attn's large, often exposed bytes to get attn_proj's small, hidden ones, or neither.
 SPLIT_UNITS: tuple[tuple[str, ...], ...] = tuple((p,) for u in UNITS for p in u)
+#: Overrides :data:`~mcore_offload.runtime.auto_choice.OUTSIDE_CLOCK` (0: price a group at the runtime's clock
+#: alone, as before session 67), for comparing the two host-time models on one host.
+OUTSIDE_CLOCK_VARIABLE = "MCORE_OFFLOAD_AUTO_OUTSIDE_CLOCK"
+
+
+def outside_clock_setting() -> float:
+    """The host time a group costs outside the runtime's clock, relative to the clock (:data:`OUTSIDE_CLOCK_VARIABLE`
+    or :data:`~mcore_offload.runtime.auto_choice.OUTSIDE_CLOCK`)."""
+    return nonnegative_float_env(OUTSIDE_CLOCK_VARIABLE, OUTSIDE_CLOCK,
+                                 f"set it to e.g. 0 (the runtime's clock alone) or unset it for {OUTSIDE_CLOCK}.")
 
 
 def attention_units(config: Any) -> tuple[tuple[str, ...], ...]:
@@ -99,9 +109,12 @@ class ChunkMarks:
     this share matched the measured exposure (B: 0.25 against 0.25 from the attention set's overhead over its host
     time; A and C: ~1). A narrower test (a mark at a flush's start, checked at its end) read 0.50 on A and 0.01 on
     B: in a launch-bound step a queue that is not yet empty still runs dry later, so it is no test.
+
+    ``by_layer``: for each layer start after the first (layer 2, 3, ...), whether the GPU had caught up there (None:
+    not checked); logged per layer with the plan, to show where a step exposes host time.
     """
 
-    __slots__ = ("vp_stage", "layers", "end", "checks", "caught_up")
+    __slots__ = ("vp_stage", "layers", "end", "checks", "caught_up", "by_layer")
 
     def __init__(self, vp_stage: Any) -> None:
         self.vp_stage = vp_stage
@@ -109,6 +122,7 @@ class ChunkMarks:
         self.end: Any = None
         self.checks = 0
         self.caught_up = 0
+        self.by_layer: list[bool | None] = []
 
     def layer_started(self, mark: Any) -> None:
         """A layer starts (``mark``: its clock mark): note whether the device already ran the previous start."""
@@ -117,6 +131,7 @@ class ChunkMarks:
             if done is not None:
                 self.checks += 1
                 self.caught_up += done
+            self.by_layer.append(done)
         self.layers.append(mark)
 
 
@@ -143,12 +158,27 @@ def elapsed_ms(a: Any, b: Any) -> float:
     return a.elapsed_time(b)
 
 
+def caught_up_by_layer(marks: list[ChunkMarks]) -> str:
+    """Per chunk and layer, how many of its forwards found the GPU caught up at that layer's start: ``"chunk None:
+    L2 4/4 L3 0/4"`` (a layer start is checked against the previous one's mark, so the first layer has none)."""
+    counts: dict[Any, dict[int, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
+    for m in marks:
+        for i, done in enumerate(m.by_layer):
+            if done is not None:
+                seen = counts[m.vp_stage][i + 2]
+                seen[0] += done
+                seen[1] += 1
+    return "; ".join(f"chunk {vp}: " + " ".join(f"L{layer} {c}/{n}" for layer, (c, n) in sorted(layers.items()))
+                     for vp, layers in sorted(counts.items(), key=lambda kv: str(kv[0])))
+
+
 class AutoPlanner:
     """Per-process state of an auto run: probing, then a fixed plan (one per manager; reset with it)."""
 
     def __init__(self, target_gib: float | None, units: tuple[tuple[str, ...], ...] = UNITS) -> None:
         self.target_gib = target_gib
         self.units = units  # UNITS or SPLIT_UNITS (attention_units)
+        self.outside_clock = outside_clock_setting()
         self.steps = 0
         self.plan: Plan | None = None
         self._marks: list[ChunkMarks] = []  # the measured step's handlers
@@ -268,7 +298,10 @@ class AutoPlanner:
         for m in self._marks:
             microbatches[m.vp_stage] += 1
         units = {vp: set(p.unit_bytes) | p.kept for vp, p in profiles.items()}
-        host = host_cost(runtime_ms, wall_ms, exposure, microbatches, units, chaining)
+        host = host_cost(runtime_ms, wall_ms, exposure, microbatches, units, chaining, self.outside_clock)
+        if checks:
+            logger.info("offload auto probe: layer starts where the GPU had caught up with the host, of the "
+                        "measured step's microbatches: %s", caught_up_by_layer(self._marks))
         self._measured = (profiles, host, link_GBps or 1.0)
         self._marks.clear()
 

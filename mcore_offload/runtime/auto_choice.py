@@ -82,6 +82,7 @@ class HostCost:
     microbatches: dict[Any, int]  # forwards per step of each chunk
     chaining: bool = True  # units of one family share a group (MCORE_OFFLOAD_CHAIN_POINTS)
     gib_ms: float = 0.0  # exposed step time per GiB a step moves out and back in (TRAFFIC_SHARE_PER_GIB)
+    outside_clock: float = OUTSIDE_CLOCK  # what group_ms adds to the clock's reading, relative to it
 
     def unit_ms(self, vp: Any, unit: tuple[str, ...], joined: bool, nbytes: int = 0) -> float:
         """Exposed host time per step of offloading ``unit`` in one layer of chunk ``vp`` (``nbytes``: what it moves
@@ -107,20 +108,24 @@ def layer_groups(units: list[tuple[str, ...]] | set[tuple[str, ...]], chaining: 
 
 
 def host_cost(runtime_ms: float, wall_ms: float, exposure: float | None, microbatches: dict[Any, int],
-              unit_layers: dict[Any, set[tuple[int, tuple[str, ...]]]], chaining: bool = True) -> HostCost | None:
+              unit_layers: dict[Any, set[tuple[int, tuple[str, ...]]]], chaining: bool = True,
+              outside_clock: float | None = None) -> HostCost | None:
     """The probe's host figures as a :class:`HostCost` (None where no exposure could be measured: the CPU).
 
     ``unit_layers``: per chunk, the (layer, unit) the probe offloaded or kept; the probe's host time (``runtime_ms``,
-    the runtime's clock, and :data:`OUTSIDE_CLOCK` of it more) is shared out over them as groups (:func:`probe_groups`).
+    the runtime's clock, and ``outside_clock`` of it more, default :data:`OUTSIDE_CLOCK`) is shared out over them as
+    groups (:func:`probe_groups`).
     """
     if exposure is None:
         return None
+    if outside_clock is None:
+        outside_clock = OUTSIDE_CLOCK
     groups = probe_groups(microbatches, unit_layers, chaining)
-    host_ms = (1.0 + OUTSIDE_CLOCK) * runtime_ms  # the clock's reading and what it cannot see (OUTSIDE_CLOCK)
+    host_ms = (1.0 + outside_clock) * runtime_ms  # the clock's reading and what it cannot see
     group_ms = host_ms / groups if groups else 0.0
     plain_ms = max(wall_ms - exposure * host_ms, 0.0)
     return HostCost(exposure, group_ms, HOST_BUDGET * plain_ms, dict(microbatches), chaining,
-                    gib_ms=exposure * TRAFFIC_SHARE_PER_GIB * plain_ms)
+                    gib_ms=exposure * TRAFFIC_SHARE_PER_GIB * plain_ms, outside_clock=outside_clock)
 
 
 def probe_groups(microbatches: dict[Any, int], unit_layers: dict[Any, set[tuple[int, tuple[str, ...]]]],
@@ -158,8 +163,8 @@ class Plan:
         chunks = "; ".join(f"chunk {vp}: {' '.join(v)}" for vp, v in by_chunk.items()) or "nothing"
         host = "" if self.host is None else (
             f", host time {self.host_ms:.1f} of {self.host.budget_ms:.1f} ms/step budget (exposure "
-            f"{self.host.exposure:.2f}, {self.host.group_ms:.2f} ms per group, {self.host.gib_ms:.1f} ms per GiB "
-            "moved)")
+            f"{self.host.exposure:.2f}, {self.host.group_ms:.2f} ms per group with {self.host.outside_clock:.1f}x the "
+            f"clock outside it, {self.host.gib_ms:.1f} ms per GiB moved)")
         return (f"{chunks} | expected peak saving {self.expected_saving_bytes / 2**30:.2f} GiB, link "
                 f"{self.link_GBps:.1f} GB/s{host}, copies {'hidden' if self.hidden else 'partly exposed'}"
                 + (f" ({self.note})" if self.note else ""))
