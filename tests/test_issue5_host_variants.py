@@ -70,3 +70,12 @@ def test_experts_hooks_runs_the_expert_points_with_nothing_large_enough_to_move(
     assert "--offload-modules expert_fc1 moe_act --min-offloaded-tensor-size 1000000000000" in hooks
     assert "--offload-modules expert_fc1 moe_act" in experts and "--min-offloaded-tensor-size" not in experts
     assert "--alternate-offload" in hooks and "--alternate-offload" in experts
+
+
+def test_auto_oc0_prices_auto_at_the_runtime_clock_alone(tmp_path):
+    runs = _launches(tmp_path, "alt_auto alt_auto_oc0")
+    assert len(runs) == 2
+    (plain, plain_args), (oc0, oc0_args) = runs
+    assert oc0["MCORE_OFFLOAD_AUTO_OUTSIDE_CLOCK"] == "0" and "MCORE_OFFLOAD_AUTO_OUTSIDE_CLOCK" not in plain
+    for args in (plain_args, oc0_args):
+        assert "--offload-modules auto " in args and "--alternate-offload" in args

@@ -158,6 +158,35 @@ def elapsed_ms(a: Any, b: Any) -> float:
     return a.elapsed_time(b)
 
 
+def largest_in_pipeline(exposure: float | None) -> float | None:
+    """The largest ``exposure`` over this rank's pipeline-parallel group (one all-reduce where PP > 1; every rank of
+    the group calls this at the end of the same measured step). None where no rank measured one (the CPU).
+
+    Why: under pipelining a rank's GPU also waits for its neighbour's activations and gradients, and a GPU held up
+    there looks, to the layer-start test, like a host that is ahead: D-dense's rank 1 read 0.00 in one probe and 0.75
+    in the next; planned on the 0.00, everything on that rank cost +6.3 % of the step (its runtime's clock 20.5 ms
+    of about 460; 2x H200, session 68). The pipeline's ranks wait on each other, so the host time one of them
+    exposes is bounded by what the most exposed rank reads."""
+    import torch
+
+    try:
+        from megatron.core import parallel_state
+    except ImportError:  # no megatron-core: no pipeline
+        return exposure
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and parallel_state.model_parallel_is_initialized()):
+        return exposure
+    if parallel_state.get_pipeline_model_parallel_world_size() <= 1:
+        return exposure
+    group = parallel_state.get_pipeline_model_parallel_group()
+    on_gpu = "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available()
+    value = torch.tensor([-1.0 if exposure is None else float(exposure)], dtype=torch.float64,
+                         device=torch.device("cuda", torch.cuda.current_device()) if on_gpu else "cpu")
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    largest = float(value.item())
+    return None if largest < 0 else largest
+
+
 def caught_up_by_layer(marks: list[ChunkMarks]) -> str:
     """Per chunk and layer, how many of its forwards found the GPU caught up at that layer's start: ``"chunk None:
     L2 4/4 L3 0/4"`` (a layer start is checked against the previous one's mark, so the first layer has none)."""
@@ -293,7 +322,11 @@ class AutoPlanner:
         wall_ms = (time.perf_counter() - self._probe_t0) * 1e3 if self._probe_t0 is not None else 0.0
         profiles = self._profiles(elapsed)
         checks = sum(m.checks for m in self._marks)
-        exposure = sum(m.caught_up for m in self._marks) / checks if checks else None
+        own = sum(m.caught_up for m in self._marks) / checks if checks else None
+        exposure = largest_in_pipeline(own)
+        if exposure != own:
+            logger.info("offload auto probe: exposure %.2f on this rank, %.2f the largest of its pipeline's ranks; the "
+                        "plan uses the largest", own if own is not None else float("nan"), exposure)
         microbatches: dict[Any, int] = defaultdict(int)
         for m in self._marks:
             microbatches[m.vp_stage] += 1
