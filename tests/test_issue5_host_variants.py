@@ -72,10 +72,13 @@ def test_experts_hooks_runs_the_expert_points_with_nothing_large_enough_to_move(
     assert "--alternate-offload" in hooks and "--alternate-offload" in experts
 
 
-def test_auto_oc0_prices_auto_at_the_runtime_clock_alone(tmp_path):
-    runs = _launches(tmp_path, "alt_auto alt_auto_oc0")
-    assert len(runs) == 2
-    (plain, plain_args), (oc0, oc0_args) = runs
+def test_auto_oc0_and_bx_set_auto_s_host_time_model(tmp_path):
+    runs = _launches(tmp_path, "alt_auto alt_auto_oc0 alt_auto_bx")
+    assert len(runs) == 3
+    (plain, plain_args), (oc0, oc0_args), (bx, bx_args) = runs
     assert oc0["MCORE_OFFLOAD_AUTO_OUTSIDE_CLOCK"] == "0" and "MCORE_OFFLOAD_AUTO_OUTSIDE_CLOCK" not in plain
-    for args in (plain_args, oc0_args):
+    assert bx["MCORE_OFFLOAD_AUTO_BACKWARD_EXPOSURE"] == "1"
+    assert "MCORE_OFFLOAD_AUTO_BACKWARD_EXPOSURE" not in plain and "MCORE_OFFLOAD_AUTO_BACKWARD_EXPOSURE" not in oc0
+    assert "MCORE_OFFLOAD_AUTO_OUTSIDE_CLOCK" not in bx
+    for args in (plain_args, oc0_args, bx_args):
         assert "--offload-modules auto " in args and "--alternate-offload" in args

@@ -46,7 +46,8 @@
 #    block's median over its plain neighbours', the first step of every block left out; blkB_NAME@native too).
 #    NAME_nolook: MCORE_OFFLOAD_SECOND_LOOK=0 (runtime/second_look.py off). NAME_nosplit:
 #    MCORE_OFFLOAD_SPLIT_CHAINS=0 (a chain reloads as one part, prefetch.Prefetch._chain_parts). NAME_oc0 (auto):
-#    MCORE_OFFLOAD_AUTO_OUTSIDE_CLOCK=0 (a group priced at the runtime's clock alone, the model before session 67).
+#    MCORE_OFFLOAD_AUTO_OUTSIDE_CLOCK=0 (a group priced at the runtime's clock alone, the model before session 67);
+#    NAME_bx (auto): MCORE_OFFLOAD_AUTO_BACKWARD_EXPOSURE=1 (exposure: the mean of the forward's and the backward's).
 #    NAME_f4 / NAME_r2: MCORE_OFFLOAD_FLUSH_LAYERS=4 / MCORE_OFFLOAD_RELOAD_LAYERS=2. NAME_iflN:
 #    MCORE_OFFLOAD_D2H_IN_FLIGHT=N (at most N copy-out bursts in flight). NAME_coal:
 #    MCORE_OFFLOAD_COALESCE_RELOADS=1 (one reload copy per group). NAME_py: the Python
@@ -98,6 +99,7 @@ for rep in $(seq 1 "${REPS:-2}"); do
       case ${name%@old} in *_nolook*) envs="$envs MCORE_OFFLOAD_SECOND_LOOK=0" ;; esac
       case ${name%@old} in *_nosplit*) envs="$envs MCORE_OFFLOAD_SPLIT_CHAINS=0" ;; esac
       case ${name%@old} in *_oc0*) envs="$envs MCORE_OFFLOAD_AUTO_OUTSIDE_CLOCK=0" ;; esac
+      case ${name%@old} in *_bx*) envs="$envs MCORE_OFFLOAD_AUTO_BACKWARD_EXPOSURE=1" ;; esac
       # _iflN: at most N copy-out bursts in flight (MCORE_OFFLOAD_D2H_IN_FLIGHT; session 58)
       [[ ${name%@old} =~ _ifl([0-9]+) ]] && envs="$envs MCORE_OFFLOAD_D2H_IN_FLIGHT=${BASH_REMATCH[1]}"
       case ${name%@old} in *_nccldbg*) envs="$envs NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,P2P" ;; esac
@@ -129,7 +131,7 @@ for rep in $(seq 1 "${REPS:-2}"); do
           envs="$envs MCORE_OFFLOAD_TELEMETRY_EVERY=${SW_TELEMETRY_EVERY:-3}" ;;
         *) alt="" ;; esac
       case ${name%@old} in *_bd) alt="$alt --runtime-breakdown" ;; esac
-      base=${nosp%@old}; base=${base//_ssa/}; base=${base//_ssh/}; base=${base//_nccldbg/}; base=${base//_wc/}; base=${base//_coal/}; base=${base//_nolook/}; base=${base//_nosplit/}; base=${base//_oc0/}; base=${base//_py/}; base=${base//_f4/}; base=${base//_r2/}; base=${base%%_ifl[0-9]*}; base=${base#alt_}; base=${base#sw_}; base=${base#idle_}; base=${base#stop_}; base=${base#stopec_}; base=${base#stoph_}; base=${base#stopb_}; base=${base#mid_}; base=${base#midec_}; base=${base#midh_}; base=${base#midb_}; [[ $base =~ ^blk[0-9]+_(.*)$ ]] && base=${BASH_REMATCH[1]}; base=${base%_bd}; base=${base%_nochain}; base=${base%_torchcopy}
+      base=${nosp%@old}; base=${base//_ssa/}; base=${base//_ssh/}; base=${base//_nccldbg/}; base=${base//_wc/}; base=${base//_coal/}; base=${base//_nolook/}; base=${base//_nosplit/}; base=${base//_oc0/}; base=${base//_bx/}; base=${base//_py/}; base=${base//_f4/}; base=${base//_r2/}; base=${base%%_ifl[0-9]*}; base=${base#alt_}; base=${base#sw_}; base=${base#idle_}; base=${base#stop_}; base=${base#stopec_}; base=${base#stoph_}; base=${base#stopb_}; base=${base#mid_}; base=${base#midec_}; base=${base#midh_}; base=${base#midb_}; [[ $base =~ ^blk[0-9]+_(.*)$ ]] && base=${BASH_REMATCH[1]}; base=${base%_bd}; base=${base%_nochain}; base=${base%_torchcopy}
       case $base in baseline) flags="" ;; core_attn) flags=$OFF ;;
         hooks_only) flags="$OFF --min-offloaded-tensor-size 1000000000000" ;;
         attn) flags="--fine-grained-activation-offloading --offload-modules qkv_linear core_attn attn_proj" ;;

@@ -34,7 +34,7 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from mcore_offload.config import attn_proj_frees_alone, nonnegative_float_env, selectively_recomputed
+from mcore_offload.config import attn_proj_frees_alone, choice_env, nonnegative_float_env, selectively_recomputed
 from mcore_offload.runtime.auto_choice import OUTSIDE_CLOCK, ChunkProfile, HostCost, Plan, choose, host_cost
 
 logger = logging.getLogger(__name__)
@@ -54,6 +54,11 @@ SPLIT_UNITS: tuple[tuple[str, ...], ...] = tuple((p,) for u in UNITS for p in u)
 #: Overrides :data:`~mcore_offload.runtime.auto_choice.OUTSIDE_CLOCK` (0: price a group at the runtime's clock
 #: alone, as before session 67), for comparing the two host-time models on one host.
 OUTSIDE_CLOCK_VARIABLE = "MCORE_OFFLOAD_AUTO_OUTSIDE_CLOCK"
+
+
+#: 1: price host time at the mean of the forward's and the backward's exposure (the forward's alone by default;
+#: a candidate for partly GPU-bound steps, not yet measured on a GPU).
+BACKWARD_EXPOSURE_VARIABLE = "MCORE_OFFLOAD_AUTO_BACKWARD_EXPOSURE"
 
 
 def outside_clock_setting() -> float:
@@ -112,9 +117,14 @@ class ChunkMarks:
 
     ``by_layer``: for each layer start after the first (layer 2, 3, ...), whether the GPU had caught up there (None:
     not checked); logged per layer with the plan, to show where a step exposes host time.
+
+    ``bwd_checks`` / ``bwd_caught_up``: the same test in this forward's backward, at the first group hook of each
+    layer against the previous layer's (:meth:`backward_group`). The forward test alone read B's exposure as 0.25
+    (one microbatch forward in four) where its plans cost a third of what that predicts (session 68).
     """
 
-    __slots__ = ("vp_stage", "layers", "end", "checks", "caught_up", "by_layer")
+    __slots__ = ("vp_stage", "layers", "end", "checks", "caught_up", "by_layer", "bwd_layer", "bwd_mark",
+                 "bwd_checks", "bwd_caught_up")
 
     def __init__(self, vp_stage: Any) -> None:
         self.vp_stage = vp_stage
@@ -123,6 +133,10 @@ class ChunkMarks:
         self.checks = 0
         self.caught_up = 0
         self.by_layer: list[bool | None] = []
+        self.bwd_layer: int | None = None
+        self.bwd_mark: Any = None
+        self.bwd_checks = 0
+        self.bwd_caught_up = 0
 
     def layer_started(self, mark: Any) -> None:
         """A layer starts (``mark``: its clock mark): note whether the device already ran the previous start."""
@@ -133,6 +147,18 @@ class ChunkMarks:
                 self.caught_up += done
             self.by_layer.append(done)
         self.layers.append(mark)
+
+    def backward_group(self, layer: int, device: Any) -> None:
+        """A group of ``layer`` starts its backward: at the first group of each layer, note whether the device had run
+        the previous layer's backward mark, then mark this layer."""
+        if layer == self.bwd_layer:
+            return
+        if self.bwd_mark is not None:
+            done = reached(self.bwd_mark)
+            if done is not None:
+                self.bwd_checks += 1
+                self.bwd_caught_up += done
+        self.bwd_layer, self.bwd_mark = layer, clock_mark(device)
 
 
 def reached(mark: Any) -> bool | None:
@@ -208,6 +234,7 @@ class AutoPlanner:
         self.target_gib = target_gib
         self.units = units  # UNITS or SPLIT_UNITS (attention_units)
         self.outside_clock = outside_clock_setting()
+        self.backward_exposure = choice_env(BACKWARD_EXPOSURE_VARIABLE, "0", ("0", "1")) == "1"
         self.steps = 0
         self.plan: Plan | None = None
         self._marks: list[ChunkMarks] = []  # the measured step's handlers
@@ -323,6 +350,16 @@ class AutoPlanner:
         profiles = self._profiles(elapsed)
         checks = sum(m.checks for m in self._marks)
         own = sum(m.caught_up for m in self._marks) / checks if checks else None
+        bwd_checks = sum(m.bwd_checks for m in self._marks)
+        backward = sum(m.bwd_caught_up for m in self._marks) / bwd_checks if bwd_checks else None
+        if backward is not None:
+            logger.info("offload auto probe: backward layer starts where the GPU had caught up: %d of %d (%.2f; "
+                        "forward %s)%s", sum(m.bwd_caught_up for m in self._marks), bwd_checks, backward,
+                        "-" if own is None else f"{own:.2f}",
+                        ", priced at their mean" if self.backward_exposure and own is not None else "")
+            if self.backward_exposure and own is not None:
+                # the runtime's host time is about half forward (main thread) and half backward (session 67)
+                own = 0.5 * (own + backward)
         exposure = largest_in_pipeline(own)
         if exposure != own:
             logger.info("offload auto probe: exposure %.2f on this rank, %.2f the largest of its pipeline's ranks; the "

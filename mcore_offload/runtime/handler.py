@@ -318,6 +318,8 @@ class ChunkOffloadHandler(SecondLook, Prefetch, HandlerBase):
         native = self.manager.native
         if native is not None and native.commit_backward(self, group):  # the common case in C++ (backward.cpp)
             return
+        if self.marks is not None:  # the auto probe's measured step: the backward's own exposure
+            self.marks.backward_group(group.layer, self.device)
         self.manager.on_backward(self)
         if not self.backward_started:
             self.backward_started = True
