@@ -54,8 +54,6 @@ SPLIT_UNITS: tuple[tuple[str, ...], ...] = tuple((p,) for u in UNITS for p in u)
 #: Overrides :data:`~mcore_offload.runtime.auto_choice.OUTSIDE_CLOCK` (0: price a group at the runtime's clock
 #: alone, as before session 67), for comparing the two host-time models on one host.
 OUTSIDE_CLOCK_VARIABLE = "MCORE_OFFLOAD_AUTO_OUTSIDE_CLOCK"
-
-
 #: 1: price host time at the mean of the forward's and the backward's exposure (the forward's alone by default;
 #: a candidate for partly GPU-bound steps, not yet measured on a GPU).
 BACKWARD_EXPOSURE_VARIABLE = "MCORE_OFFLOAD_AUTO_BACKWARD_EXPOSURE"
@@ -351,10 +349,11 @@ class AutoPlanner:
         checks = sum(m.checks for m in self._marks)
         own = sum(m.caught_up for m in self._marks) / checks if checks else None
         bwd_checks = sum(m.bwd_checks for m in self._marks)
-        backward = sum(m.bwd_caught_up for m in self._marks) / bwd_checks if bwd_checks else None
+        bwd_caught_up = sum(m.bwd_caught_up for m in self._marks)
+        backward = bwd_caught_up / bwd_checks if bwd_checks else None
         if backward is not None:
             logger.info("offload auto probe: backward layer starts where the GPU had caught up: %d of %d (%.2f; "
-                        "forward %s)%s", sum(m.bwd_caught_up for m in self._marks), bwd_checks, backward,
+                        "forward %s)%s", bwd_caught_up, bwd_checks, backward,
                         "-" if own is None else f"{own:.2f}",
                         ", priced at their mean" if self.backward_exposure and own is not None else "")
             if self.backward_exposure and own is not None:
