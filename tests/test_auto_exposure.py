@@ -11,18 +11,9 @@ import pytest
 
 from mcore_offload.runtime import auto as auto_module
 from mcore_offload.runtime.auto import BACKWARD_EXPOSURE_VARIABLE, PROBE_STEPS, AutoPlanner, ChunkMarks
+from tests.test_auto import _Mark
 
 MiB = 2**20
-
-
-class _Mark:
-    """A clock mark the device had (``done``) or had not yet reached."""
-
-    def __init__(self, done: bool) -> None:
-        self.done = done
-
-    def query(self) -> bool:
-        return self.done
 
 
 def probe(caught_up: list[bool], backward: list[bool] | None = None) -> Any:
