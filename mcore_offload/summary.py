@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from mcore_offload.runtime.peak_trace import PeakTrace
 from mcore_offload.runtime.telemetry import StepLink
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,10 @@ class OffloadSummary:
     off_by_key_at_peak: dict[Any, int] | None = None
     _current: dict[str, dict[str, int]] = field(default_factory=_new_points)
     _peak_reader: Callable[[], int] | None = None
+    # track_peak(reset_peak=...): the allocator's peak statistic is reset at each event, and every interval between
+    # two events is kept with its bytes off the device (what the step would have peaked at without offloading)
+    _peak_resetter: Callable[[], None] | None = None
+    peak_trace: PeakTrace | None = None
     _allocations_seen: int = 0
     _last_peak: int = 0
     runtime_ns: int = 0  # host time inside the runtime's Python hooks since the last closed step
@@ -94,15 +99,21 @@ class OffloadSummary:
         if self.off_by_key is not None and key is not None:
             self.off_by_key[key] = self.off_by_key.get(key, 0) + delta
 
-    def track_peak(self, read_peak: Callable[[], int], by_key: bool = False) -> None:
+    def track_peak(self, read_peak: Callable[[], int], by_key: bool = False,
+                   reset_peak: Callable[[], None] | None = None) -> None:
         """Attribute the device peak: call right after resetting the allocator's peak statistic.
 
         ``off_device_bytes`` only changes at our own release / reload events, so reading the peak at each
         event tells exactly in which interval it rose, and the value it had there. It costs one allocator
         statistics read per event, which is why it is off unless asked for (the benchmark's step 1).
+
+        With ``reset_peak`` (resets the statistic) every interval's own peak is read and kept in :attr:`peak_trace`
+        (auto's peak step); :attr:`traced_peak_bytes` is then the step's peak, since the statistic no longer is.
         """
         self._peak_reader = read_peak
         self._last_peak = read_peak()
+        self._peak_resetter = reset_peak
+        self.peak_trace = PeakTrace() if reset_peak is not None else None
         self.off_device_at_peak_bytes = self.off_device_bytes
         self.off_by_key = {} if by_key else None
         self.off_by_key_at_peak = {} if by_key else None
@@ -110,6 +121,7 @@ class OffloadSummary:
     def stop_tracking_peak(self) -> None:
         self._probe_peak()
         self._peak_reader = None
+        self._peak_resetter = None  # peak_trace stays for the caller
         self.off_by_key = None  # off_by_key_at_peak stays for the caller
 
     @property
@@ -118,9 +130,26 @@ class OffloadSummary:
         be reported on its own, since each one reads the allocator's peak."""
         return self._peak_reader is not None or self.off_by_key is not None
 
+    @property
+    def traced_peak_bytes(self) -> int:
+        """The device peak since :meth:`track_peak`, as of the last event."""
+        return self._last_peak
+
+    @property
+    def traces_plain_peak(self) -> bool:
+        """Whether every interval is being kept (:meth:`track_peak` with ``reset_peak``)."""
+        return self._peak_resetter is not None
+
+    def peak_so_far(self) -> int:
+        """The device peak since :meth:`track_peak`, now (the statistic alone is its interval's once reset)."""
+        return max(self._last_peak, self._peak_reader()) if self._peak_reader is not None else self._last_peak
+
     def _probe_peak(self) -> None:
         if self._peak_reader is not None:
             peak = self._peak_reader()
+            if self._peak_resetter is not None:
+                self._peak_resetter()
+                self.peak_trace.add(peak, self.off_device_bytes, self.off_by_key)
             if peak > self._last_peak:
                 self._last_peak, self.off_device_at_peak_bytes = peak, self.off_device_bytes
                 if self.off_by_key is not None:

@@ -36,6 +36,7 @@ from typing import Any
 
 from mcore_offload.config import attn_proj_frees_alone, choice_env, nonnegative_float_env, selectively_recomputed
 from mcore_offload.runtime.auto_choice import OUTSIDE_CLOCK, ChunkProfile, HostCost, Plan, choose, host_cost
+from mcore_offload.runtime.peak_trace import PeakTrace
 
 logger = logging.getLogger(__name__)
 
@@ -301,11 +302,13 @@ class AutoPlanner:
     # ----------------------------------------------------------------------------------- planning
     def step_ended(self, elapsed: Any, link_GBps: float | None, peak_bytes: int | None,
                    off_device_at_peak: int, runtime_ms: float = 0.0, chaining: bool = True,
-                   off_at_peak: dict[tuple[Any, int, str], int] | None = None) -> Plan | None:
+                   off_at_peak: dict[tuple[Any, int, str], int] | None = None,
+                   trace: PeakTrace | None = None) -> Plan | None:
         """End of a training step. At the end of the measured step, keep its measurements (``elapsed_ms(a, b)``
         reads marks; ``link_GBps``; ``runtime_ms``: the runtime's host time in the step); at the end of the peak
         step, build the plan (``peak_bytes``, ``off_device_at_peak``; ``off_at_peak``: (vp_stage, layer, point) ->
-        bytes off the device when the step's peak was reached, None where it was not traced)."""
+        bytes off the device when the step's peak was reached, None where it was not traced; ``trace``: the peak
+        step's intervals keyed by (vp_stage, layer, point), runtime/peak_trace.py, which the plan then follows)."""
         was_measuring = self.measuring
         self.steps += 1
         if self.plan is not None:
@@ -316,6 +319,8 @@ class AutoPlanner:
         if self.steps < PROBE_STEPS or self._measured is None:
             return None
         profiles, host, link = self._measured
+        if trace is not None and len(trace):
+            return self._plan_for_trace(profiles, host, link, trace, peak_bytes)
         # A probe whose peak came with nothing off the device peaked elsewhere (B on the H100: with every point
         # offloaded, the step peaks while the first backward allocates the gradients). A smaller plan moves the
         # peak back to where activations are held, so the trace says nothing about the units: rank them by bytes.
@@ -337,6 +342,21 @@ class AutoPlanner:
         if untraced_peak:
             self.plan.note = "; ".join(filter(None, [self.plan.note, "ranked by bytes: the probe peaked with nothing "
                                                     "off the device"]))
+        logger.info("offload auto plan%s: %s", "" if self.target_gib is None else f" (target {self.target_gib} GiB)",
+                    self.plan.describe())
+        self._measured = None
+        return self.plan
+
+    def _plan_for_trace(self, profiles: dict[Any, ChunkProfile], host: HostCost | None, link: float,
+                        trace: PeakTrace, probe_peak: int | None) -> Plan:
+        """The plan for the peak the step would reach without offloading (runtime/peak_trace.py)."""
+        units = trace.regroup(lambda k: (k[0], k[1], unit_of(k[2], self.units)) if k[0] in profiles else None)
+        plain = units.plain_peak
+        logger.info("offload auto probe: without offloading the traced step would peak at %.2f GiB (%d intervals "
+                    "between release and reload events; the probe itself peaked at %.2f GiB)", plain / 2**30,
+                    len(units), (probe_peak or 0) / 2**30)
+        need = None if self.target_gib is None else plain - int(self.target_gib * 2**30)
+        self.plan = choose(profiles, link, need, host, trace=units)
         logger.info("offload auto plan%s: %s", "" if self.target_gib is None else f" (target {self.target_gib} GiB)",
                     self.plan.describe())
         self._measured = None

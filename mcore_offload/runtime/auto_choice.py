@@ -11,6 +11,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from mcore_offload.runtime.peak_trace import PeakFollower, PeakTrace
+
 #: Share of the measured link throughput the plan may use (the rest absorbs jitter).
 LINK_MARGIN = 0.9
 #: A memory target is met with this much to spare (the estimate of the peak is not exact).
@@ -215,14 +217,21 @@ def _kept_ms(host: HostCost, profiles: dict[Any, ChunkProfile]) -> float:
 
 
 def choose(profiles: dict[Any, ChunkProfile], link_GBps: float, need_bytes: int | None = None,
-           host: HostCost | None = None) -> Plan:
+           host: HostCost | None = None, trace: PeakTrace | None = None) -> Plan:
     """Pick units per (chunk, layer); see the module docstring. ``need_bytes``: the peak saving to reach;
-    ``host``: the probe's host-time model (None: host time is not counted, as on the CPU)."""
+    ``host``: the probe's host-time model (None: host time is not counted, as on the CPU); ``trace``: the plain
+    step's peak per interval, keyed by (chunk, layer, unit) (runtime/peak_trace.py; None: each unit saves
+    :meth:`ChunkProfile.saving`, what was off the device at the probe's own peak)."""
     rate = link_GBps * LINK_MARGIN * 1e6  # bytes per ms
-    # A unit that was back on the device (or not yet off it) when the probe's peak was reached saves nothing
-    # there: under pipeline parallelism, a chunk's last layer, reloaded as its backward starts.
+    # A unit that was back on the device (or not yet off it) when the peak was reached saves nothing there: under
+    # pipeline parallelism, a chunk's last layer, reloaded as its backward starts. With a trace, a unit counts
+    # what it holds in the interval that is the highest once the units picked before it are off (the peak moves).
+    follower = PeakFollower(trace) if trace is not None else None
+    in_trace = trace.keys() if trace is not None else set()
     remaining = [(nbytes, vp, layer, unit) for vp, p in profiles.items()
-                 for (layer, unit), nbytes in p.unit_bytes.items() if nbytes > 0 and p.saving(layer, unit, nbytes) > 0]
+                 for (layer, unit), nbytes in p.unit_bytes.items()
+                 if nbytes > 0 and ((vp, layer, unit) in in_trace if trace is not None
+                                    else p.saving(layer, unit, nbytes) > 0)]
     chosen: dict[Any, dict[int, int]] = {vp: {} for vp in profiles}
     on: dict[tuple[Any, int], set[str]] = defaultdict(set)  # the points picked so far per (chunk, layer)
     picked: list[tuple[int, Any, int, tuple[str, ...]]] = []
@@ -235,6 +244,8 @@ def choose(profiles: dict[Any, ChunkProfile], link_GBps: float, need_bytes: int 
 
     def value(item: tuple) -> int:
         nbytes, vp, layer, unit = item
+        if follower is not None:
+            return follower.at_peak((vp, layer, unit))
         return profiles[vp].saving(layer, unit, nbytes)
 
     def rank(item: tuple) -> tuple:
@@ -246,6 +257,8 @@ def choose(profiles: dict[Any, ChunkProfile], link_GBps: float, need_bytes: int 
     spent = 0.0 if host is None else _kept_ms(host, profiles)  # the first pick brings the kept units along
     while remaining:
         item = max(remaining, key=rank)
+        if value(item) <= 0:  # traced: no unit left is off the device where the step now peaks
+            break
         remaining.remove(item)
         nbytes, vp, layer, unit = item
         trial = dict(chosen[vp])
@@ -256,15 +269,19 @@ def choose(profiles: dict[Any, ChunkProfile], link_GBps: float, need_bytes: int 
             picked.append(item)
             on[(vp, layer)].update(unit)
             spent += c
+            if follower is not None:
+                follower.take((vp, layer, unit))
         else:
             exposed.append(item)
 
     def saving(sel: list) -> int:
+        if trace is not None:
+            return trace.saving((vp, layer, unit) for _, vp, layer, unit in sel)
         return sum(map(value, sel))
 
     hidden, note = True, ""
     if not picked and not exposed and any(p.unit_bytes for p in profiles.values()):
-        note = ("no offloaded group was off the device when the probe reached its peak: offloading would not "
+        note = ("no offloaded group was off the device when the step reached its peak: offloading would not "
                 "lower it")
     if need_bytes is not None:
         need = int(need_bytes * TARGET_MARGIN)

@@ -394,7 +394,7 @@ class ChunkOffloadHandler(SecondLook, Prefetch, HandlerBase):
         """One reload burst for what is on the host only in ``runs`` (lists of entries, in the order needed; each run
         gets its own done event)."""
         native = self.manager.native
-        if native is not None:  # the same in C++ (runtime/native/reload.cpp)
+        if native is not None and not self.manager.summary.traces_plain_peak:  # the same in C++ (native/reload.cpp)
             native.reload(self, runs, on_demand)
             return
         seen: set[int] = set()
@@ -410,6 +410,7 @@ class ChunkOffloadHandler(SecondLook, Prefetch, HandlerBase):
                 parts.append(len(todo) - before)
         if not todo:
             return
+        self.manager.before_reload(todo)
         transport = self.transport
         storages, events = transport.to_device([e.host for e in todo], [e.nbytes for e in todo],
                                                [e.d2h_event for e in todo], self.device,

@@ -16,7 +16,7 @@ import logging
 import os
 import weakref
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from time import perf_counter_ns
 from typing import Any
 
@@ -81,6 +81,14 @@ def _chunk_backward_starts(handler: ChunkOffloadHandler, grad: torch.Tensor) -> 
     t0 = perf_counter_ns()
     handler.on_chunk_backward_start()
     handler.summary.runtime_ns += perf_counter_ns() - t0
+
+
+def peak_statistics(device: torch.device) -> tuple[Callable[[], int], Callable[[], None]] | None:
+    """The allocator's peak statistic of ``device`` (read, reset); None where there is none (the CPU)."""
+    if device.type != "cuda":
+        return None
+    return (functools.partial(torch.cuda.max_memory_allocated, device),
+            functools.partial(torch.cuda.reset_peak_memory_stats, device))
 
 
 class OffloadManager:
@@ -197,14 +205,17 @@ class OffloadManager:
         self.handlers.append(handler)
         self.forward_handler = handler
         self._trained = True
-        if (self.auto is not None and self.auto.tracing_peak and self._peak_reader is None
-                and device.type == "cuda"):
+        stats = (peak_statistics(device) if self.auto is not None and self.auto.tracing_peak
+                 and self._peak_reader is None else None)
+        if stats is not None:
             # The plan needs the peak and which groups were off the device then: under pipeline parallelism a chunk's
-            # last layer is back on the device at the peak, and offloading it saves nothing there (documented side
-            # effect: the allocator's peak statistic is reset once, at the peak step's first chunk).
-            torch.cuda.reset_peak_memory_stats(device)
-            self._peak_reader = functools.partial(torch.cuda.max_memory_allocated, device)
-            self.summary.track_peak(self._peak_reader, by_key=True)
+            # last layer is back on the device at the peak, and offloading it saves nothing there. The peak that
+            # counts is the one the step would reach without offloading, not the probe's own (runtime/peak_trace.py),
+            # so the allocator's peak statistic is reset at the peak step's first chunk and at each of our release and
+            # reload events in it (documented side effect: that step's max_memory_allocated() is its last interval's).
+            self._peak_reader, reset = stats
+            reset()
+            self.summary.track_peak(self._peak_reader, by_key=True, reset_peak=reset)
         if self.auto is not None and self.auto.measuring:
             handler.marks = self.auto.chunk_started(vp_stage)
             telemetry = handler.transport.telemetry
@@ -268,7 +279,7 @@ class OffloadManager:
                 handler.marks.layer_started(clock_mark(handler.device))
             if self._peak_reader is not None:
                 live = Counter(h.vp_stage for h in self.handlers if not h.finished)
-                self.auto.peak_check(self._peak_reader(), live)
+                self.auto.peak_check(self.summary.peak_so_far(), live)
             self.summary.runtime_ns += perf_counter_ns() - t0
 
     def _flush_due(self, handler: ChunkOffloadHandler) -> bool:
@@ -377,6 +388,7 @@ class OffloadManager:
             self._kept_now = set()
         if self._peak_reader is not None:  # an aborted peak step: the next one traces again
             self.summary.stop_tracking_peak()
+            self.summary.peak_trace = None
         self._step_serial += 1
         self.reset_step()
 
@@ -392,11 +404,13 @@ class OffloadManager:
             if link is None:  # CPU: copies are memcpy, never the limit
                 link = 1000.0
         elif self.auto.tracing_peak and self._peak_reader is not None:
-            peak = self._peak_reader()
-            self.summary.stop_tracking_peak()
+            self.summary.stop_tracking_peak()  # reads the last interval's peak
+            peak = self.summary.traced_peak_bytes
             self._peak_reader = None
+        trace, self.summary.peak_trace = self.summary.peak_trace, None
         return self.auto.step_ended(elapsed_ms, link, peak, self.summary.off_device_at_peak_bytes, runtime_ms,
-                                    self.chaining, self.summary.off_by_key_at_peak if peak is not None else None)
+                                    self.chaining, self.summary.off_by_key_at_peak if peak is not None else None,
+                                    trace=trace if peak is not None else None)
 
     # ------------------------------------------------------------------------------------ counters
     def on_offloaded(self, entry: Entry) -> None:
@@ -425,6 +439,13 @@ class OffloadManager:
         self.summary.host_resident(-sum(e.nbytes for e in entries))
         for entry in entries:
             if entry.off_device:
+                self._back_on_device(entry)
+
+    def before_reload(self, entries: list[Entry]) -> None:
+        """A reload burst is about to allocate ``entries``' storages. While the plain step's peak is traced, they
+        count as back on the device first: the interval that allocates them would otherwise hold them twice."""
+        if self.summary.traces_plain_peak:
+            for entry in entries:
                 self._back_on_device(entry)
 
     def _back_on_device(self, entry: Entry) -> None:
