@@ -7,16 +7,17 @@ How: the first :data:`PROBE_STEPS` training steps offload every point (so the pr
 of memory). The second (the *measured* step) times each layer's forward on the compute stream (timing
 events at layer boundaries: real time on the GPU's timeline, launch gaps included, which is the window the
 copy engine has) and counts the bytes each point's storages take per layer, the D2H throughput the link achieved
-and the runtime's host time. The third (the *peak* step, on a GPU) finds the step's peak and the bytes of each
-(chunk, layer, point) that were off the device at that moment (a unit that was back on the device then saves
-nothing: under pipeline parallelism, a chunk's last layer). That takes an allocator statistics read at every
+and the runtime's host time. The third (the *peak* step, on a GPU) traces the peak the step would reach without
+offloading, interval by interval, and the bytes of each (chunk, layer, point) off the device in each interval
+(:mod:`mcore_offload.runtime.peak_trace`; a unit that is back on the device where the step peaks saves nothing:
+under pipeline parallelism, a chunk's last layer). That takes an allocator statistics read and reset at every
 release and reload, host time that would inflate the measured step's host time and exposure (on A it tripled the
 host time per group and the plan chose nothing), so the two never share a step. At the end of the peak step
 :func:`choose` picks the units (a point, or core_attn with attn_proj, which share attention's output in 16-bit
 training; under FP8 or core_attn recompute each is a unit of its own, see :func:`attention_units`)
-greedily, most peak bytes first, keeping each one only if a simulated copy queue still finishes every layer's
-copies before the layer after next starts. Steps after that offload the chosen (chunk, layer, point) only. The
-plan is logged once per rank.
+greedily, most peak bytes first (following the peak as it moves to another interval), keeping each one only if
+a simulated copy queue still finishes every layer's copies before the layer after next starts. Steps after that
+offload the chosen (chunk, layer, point) only. The plan is logged once per rank.
 
 Host time is a cost too. Where the step is launch-bound (the GPU has caught up with the host: at a layer's
 start the previous layer's start mark has already run on the GPU), every microsecond the runtime spends on
