@@ -181,6 +181,23 @@ int on_host_down_to(PyObject* handler, long index, long reach, PyObject* needed)
   return 0;
 }
 
+// handler._layer_below: the layer of the nearest group before ``index`` whose layer is under ``layer`` (a plan may
+// leave layers out), else layer - 1 (-1 with an error set: error)
+long layer_below(PyObject* handler, long index, long layer) {
+  Ref groups(getattr_fast(handler, s_groups));
+  if (!groups) return -1;
+  if (!PyList_Check(groups.get())) {
+    PyErr_SetString(PyExc_TypeError, "handler.groups must be a list");
+    return -1;
+  }
+  for (long i = std::min<long>(index, static_cast<long>(PyList_GET_SIZE(groups.get()))) - 1; i >= 0; --i) {
+    long prev = attr_long(PyList_GET_ITEM(groups.get(), i), s_layer);
+    if (prev == -1 && PyErr_Occurred()) return -1;
+    if (prev < layer) return prev;
+  }
+  return layer - 1;
+}
+
 // handler._prefetch(group) with one layer a reload burst (-1: error)
 int prefetch(PyObject* handler, PyObject* group, int mode) {
   long index = attr_long(group, s_index);
@@ -190,8 +207,10 @@ int prefetch(PyObject* handler, PyObject* group, int mode) {
   if (layer == -1 && PyErr_Occurred()) return -1;
   int late = late_for(handler, mode, layer);
   if (late < 0) return -1;
+  long reach = late ? layer : layer_below(handler, index, layer);
+  if (reach == -1 && PyErr_Occurred()) return -1;
   Ref needed(PyList_New(0));
-  if (!needed || on_host_down_to(handler, index, late ? layer : layer - 1, needed.get()) < 0) return -1;
+  if (!needed || on_host_down_to(handler, index, reach, needed.get()) < 0) return -1;
   Py_ssize_t n = PyList_GET_SIZE(needed.get());
   if (n == 0) return 0;
   // late: one done event per group; ahead of time, one burst (one event) for what the layer below needs
