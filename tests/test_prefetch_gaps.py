@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_runtime_unit import Toy, cfg, train_step
+from test_runtime_unit import Toy, cfg, toy_steps
 
 from mcore_offload.runtime import manager as manager_module
 from mcore_offload.runtime.auto_choice import Plan
@@ -16,30 +16,20 @@ from mcore_offload.summary import get_summary
 POINTS = frozenset({"qkv_linear", "core_attn", "attn_proj"})
 
 
-def _steps(model, steps: int = 3, microbatches: int = 2) -> list:
-    results = []
-    for step in range(steps):
-        model.zero_grad()
-        inputs = [torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * step + i))
-                  for i in range(microbatches)]
-        results.append((train_step(model, inputs), [p.grad.clone() for p in model.parameters()]))
-    return results
-
-
 @pytest.mark.parametrize("native", ["0", "1"])
 @pytest.mark.parametrize("prefetch", ["layer", "tail"])
 def test_a_layer_left_out_of_the_plan_does_not_stop_the_prefetch(monkeypatch, native, prefetch):
     monkeypatch.setenv("MCORE_OFFLOAD_NATIVE", native)
     monkeypatch.setenv("MCORE_OFFLOAD_PREFETCH", prefetch)
     manager_module.reset()
-    base = _steps(Toy(cfg(), layers=6))
+    base = toy_steps(Toy(cfg(), layers=6), steps=3)
     manager_module.reset()
     model = Toy(cfg("auto"), layers=6)
-    _steps(model, steps=1)  # the manager and its planner exist once a chunk began
+    toy_steps(model, steps=1)  # the manager and its planner exist once a chunk began
     # layers 2, 3, 5 and 6 offload (the last stays on the device at PP=1), layer 4 does not
     get_manager().auto.plan = Plan({(None, layer): POINTS for layer in (2, 3, 5, 6)}, 0, True, 1000.0)
     get_summary().steps.clear()
-    got = _steps(model)
+    got = toy_steps(model, steps=3)
     for (l0, g0), (l1, g1) in zip(base, got):
         assert all(torch.equal(a, b) for a, b in zip(l0, l1))
         assert all(torch.equal(a, b) for a, b in zip(g0, g1))

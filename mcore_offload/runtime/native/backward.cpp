@@ -148,16 +148,23 @@ int append_parts(PyObject* handler, PyObject* group, PyObject* run, PyObject* ne
   return PyList_Append(needed, run);
 }
 
+// handler.groups, which must be a list (nullptr: error)
+PyObject* handler_groups(PyObject* handler) {
+  PyObject* groups = getattr_fast(handler, s_groups);
+  if (groups != nullptr && !PyList_Check(groups)) {
+    Py_DECREF(groups);
+    PyErr_SetString(PyExc_TypeError, "handler.groups must be a list");
+    return nullptr;
+  }
+  return groups;
+}
+
 // handler._on_host_down_to: the entries still only on the host of the groups before ``index``, back to layer
 // ``reach``, one list per group that has any (two for a split chain: append_parts), appended to ``needed`` in backward
 // order (-1: error)
 int on_host_down_to(PyObject* handler, long index, long reach, PyObject* needed) {
-  Ref groups(getattr_fast(handler, s_groups));
+  Ref groups(handler_groups(handler));
   if (!groups) return -1;
-  if (!PyList_Check(groups.get())) {
-    PyErr_SetString(PyExc_TypeError, "handler.groups must be a list");
-    return -1;
-  }
   for (long i = std::min<long>(index, static_cast<long>(PyList_GET_SIZE(groups.get()))) - 1; i >= 0; --i) {
     PyObject* prev = PyList_GET_ITEM(groups.get(), i);
     long layer = attr_long(prev, s_layer);
@@ -184,12 +191,8 @@ int on_host_down_to(PyObject* handler, long index, long reach, PyObject* needed)
 // handler._layer_below: the layer of the nearest group before ``index`` whose layer is under ``layer`` (a plan may
 // leave layers out), else layer - 1 (-1 with an error set: error)
 long layer_below(PyObject* handler, long index, long layer) {
-  Ref groups(getattr_fast(handler, s_groups));
+  Ref groups(handler_groups(handler));
   if (!groups) return -1;
-  if (!PyList_Check(groups.get())) {
-    PyErr_SetString(PyExc_TypeError, "handler.groups must be a list");
-    return -1;
-  }
   for (long i = std::min<long>(index, static_cast<long>(PyList_GET_SIZE(groups.get()))) - 1; i >= 0; --i) {
     long prev = attr_long(PyList_GET_ITEM(groups.get(), i), s_layer);
     if (prev == -1 && PyErr_Occurred()) return -1;
