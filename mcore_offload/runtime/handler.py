@@ -390,41 +390,6 @@ class ChunkOffloadHandler(SecondLook, Prefetch, HandlerBase):
                 break
             self._reload(*self._chain_parts(group, group.entries))  # pending groups have none: they stay
 
-    def _reload(self, *runs: list[Entry], on_demand: bool = False) -> None:
-        """One reload burst for what is on the host only in ``runs`` (lists of entries, in the order needed; each run
-        gets its own done event)."""
-        native = self.manager.native
-        if native is not None and not self.manager.summary.traces_plain_peak:  # the same in C++ (native/reload.cpp)
-            native.reload(self, runs, on_demand)
-            return
-        seen: set[int] = set()
-        todo: list[Entry] = []
-        parts: list[int] = []
-        for run in runs:
-            before = len(todo)
-            for e in run:  # groups that save views of one storage share its entry
-                if e.device_storage is None and e.host is not None and id(e) not in seen:
-                    seen.add(id(e))
-                    todo.append(e)
-            if len(todo) > before:
-                parts.append(len(todo) - before)
-        if not todo:
-            return
-        self.manager.before_reload(todo)
-        transport = self.transport
-        storages, events = transport.to_device([e.host for e in todo], [e.nbytes for e in todo],
-                                               [e.d2h_event for e in todo], self.device,
-                                               parts if len(parts) > 1 else None)
-        i = 0
-        for part, event in zip(parts if len(parts) > 1 else [len(todo)], events):
-            transport.reload_seq += 1
-            seq = transport.reload_seq
-            for entry in todo[i:i + part]:
-                entry.device_storage, entry.h2d_event, entry.h2d_seq = storages[i], event, seq
-                entry.compute_waited = False
-                self.manager.on_reloaded(entry, on_demand)
-                i += 1
-
     def on_group_backward_done(self, group: Group) -> None:
         """The group's whole backward ran: its device copies can go."""
         if group.done:
