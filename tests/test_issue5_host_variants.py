@@ -82,3 +82,12 @@ def test_auto_oc0_and_bx_set_auto_s_host_time_model(tmp_path):
     assert "MCORE_OFFLOAD_AUTO_OUTSIDE_CLOCK" not in bx
     for args in (plain_args, oc0_args, bx_args):
         assert "--offload-modules auto " in args and "--alternate-offload" in args
+
+
+def test_autotarget_asks_auto_for_the_peak_target_in_auto_gib(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTO_GIB", "13.2")
+    runs = _launches(tmp_path, "alt_autotarget_bx")
+    assert len(runs) == 1
+    envs, args = runs[0]
+    assert "--offload-modules auto:13.2 " in args and "--alternate-offload" in args
+    assert envs["MCORE_OFFLOAD_AUTO_BACKWARD_EXPOSURE"] == "1"

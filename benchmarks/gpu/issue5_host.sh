@@ -48,6 +48,7 @@
 #    MCORE_OFFLOAD_SPLIT_CHAINS=0 (a chain reloads as one part, prefetch.Prefetch._chain_parts). NAME_oc0 (auto):
 #    MCORE_OFFLOAD_AUTO_OUTSIDE_CLOCK=0 (a group priced at the runtime's clock alone, the model before session 67);
 #    NAME_bx (auto): MCORE_OFFLOAD_AUTO_BACKWARD_EXPOSURE=1 (exposure: the mean of the forward's and the backward's).
+#    "autotarget": offload_modules=["auto:$AUTO_GIB"] (a per-rank peak target in GiB; AUTO_GIB must be set).
 #    NAME_f4 / NAME_r2: MCORE_OFFLOAD_FLUSH_LAYERS=4 / MCORE_OFFLOAD_RELOAD_LAYERS=2. NAME_iflN:
 #    MCORE_OFFLOAD_D2H_IN_FLIGHT=N (at most N copy-out bursts in flight). NAME_coal:
 #    MCORE_OFFLOAD_COALESCE_RELOADS=1 (one reload copy per group). NAME_py: the Python
@@ -136,6 +137,7 @@ for rep in $(seq 1 "${REPS:-2}"); do
         hooks_only) flags="$OFF --min-offloaded-tensor-size 1000000000000" ;;
         attn) flags="--fine-grained-activation-offloading --offload-modules qkv_linear core_attn attn_proj" ;;
         auto) flags="--fine-grained-activation-offloading --offload-modules auto" ;;
+        autotarget) flags="--fine-grained-activation-offloading --offload-modules auto:${AUTO_GIB:?set AUTO_GIB, the per-rank peak target in GiB}" ;;
         experts) flags="--fine-grained-activation-offloading --offload-modules expert_fc1 moe_act" ;;
         all5) flags="--fine-grained-activation-offloading --offload-modules qkv_linear core_attn attn_proj expert_fc1 moe_act" ;;
         attn_hooks) flags="--fine-grained-activation-offloading --offload-modules qkv_linear core_attn attn_proj --min-offloaded-tensor-size 1000000000000" ;;
