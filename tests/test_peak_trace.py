@@ -39,6 +39,23 @@ def test_a_trace_is_the_allocators_peak_plus_the_bytes_off_per_interval_and_foll
     assert merged.plain == trace.plain and merged.off == [{}, {"x": 30}, {"x": 25}]
 
 
+def test_an_interval_under_the_allocators_own_peak_is_never_kept():
+    """No plan goes below the allocator's peak with everything offloaded, so an interval whose plain peak is under
+    it can never be the peak: dropped as it comes, or at a compaction once the floor has risen above it."""
+    trace = PeakTrace()
+    trace.add(50, 10, {"a": 10})  # plain 60, floor 50: kept for now
+    trace.add(100, 0, None)  # floor 100
+    trace.add(70, 20, {"a": 20})  # plain 90 < 100: dropped at once
+    assert trace.plain == [60, 100] and trace.floor == 100
+    trace.compact()
+    assert trace.plain == [100] and trace.off == [{}]
+    for i in range(200):  # a long step compacts on its own: memory stays near what can still be the peak
+        trace.add(100 + i, 5, {"b": 5})
+    assert len(trace.plain) < 140 and trace.plain_peak == 304 and trace.saving({"b"}) == 5
+    trace.compact()
+    assert trace.plain == [299, 300, 301, 302, 303, 304]  # allocator peaks 294-299 plus the 5 off
+
+
 def test_the_follower_reads_a_keys_bytes_where_the_step_peaks_after_each_pick():
     trace = PeakTrace([120, 115, 100], [{"a": 30, "b": 10}, {"c": 25}, {}])
     f = PeakFollower(trace)

@@ -10,7 +10,9 @@ step holds what is allocated plus what is off the device. The bytes off the devi
 reload events; between two of them they are constant, so the allocator's peak within the interval (read and reset at
 each event) plus those bytes is the plain step's peak over that interval. The largest is the plain step's peak. The
 groups off the device there are what a plan can take off it, and once it takes them the peak can move to another
-interval, which is why every interval is kept.
+interval, which is why the intervals are kept. Not all of them: no plan takes the step below the allocator's own
+peak with everything offloaded, so an interval under that floor can never be the peak and is dropped (on a large
+model the peak step has thousands of intervals, each with its bytes per layer and point).
 
 The estimate assumes the plain step allocates as the probe did; a storage the probe released early is counted as held
 until its reload, which is when the plain step would still hold it at the latest.
@@ -29,11 +31,26 @@ class PeakTrace:
 
     plain: list[int] = field(default_factory=list)
     off: list[dict[Hashable, int]] = field(default_factory=list)
+    floor: int = 0  # the allocator's highest interval peak so far: no plan goes below it
+    _kept_at_compaction: int = 0
 
     def add(self, allocator_peak: int, off_device_bytes: int, off_by_key: dict[Hashable, int] | None) -> None:
         """Close one interval: the allocator's peak in it and the bytes off the device during it."""
-        self.plain.append(allocator_peak + off_device_bytes)
+        self.floor = max(self.floor, allocator_peak)
+        plain = allocator_peak + off_device_bytes
+        if plain < self.floor:
+            return
+        self.plain.append(plain)
         self.off.append({k: v for k, v in off_by_key.items() if v > 0} if off_by_key else {})
+        if len(self.plain) > 2 * self._kept_at_compaction + 64:
+            self.compact()
+
+    def compact(self) -> None:
+        """Drop the intervals that the floor has risen above since they were kept."""
+        kept = [i for i, p in enumerate(self.plain) if p >= self.floor]
+        self.plain = [self.plain[i] for i in kept]
+        self.off = [self.off[i] for i in kept]
+        self._kept_at_compaction = len(kept)
 
     def __len__(self) -> int:
         return len(self.plain)
@@ -45,7 +62,7 @@ class PeakTrace:
     def regroup(self, key: Callable[[Hashable], Hashable | None]) -> PeakTrace:
         """The same trace with each key mapped by ``key`` (bytes of keys that map together are summed; a key mapped
         to None is dropped from the per-key bytes, not from ``plain``)."""
-        out = PeakTrace(list(self.plain), [])
+        out = PeakTrace(list(self.plain), [], self.floor)
         for off in self.off:
             merged: dict[Hashable, int] = {}
             for k, v in off.items():
