@@ -14,15 +14,7 @@ from mcore_offload.runtime.manager import get_manager
 from mcore_offload.runtime.peak_trace import PeakFollower, PeakTrace
 from mcore_offload.summary import get_summary
 from tests.harness.gpt import build_dense_gpt, init_parallel, run_steps
-from tests.test_auto import _Mark
-
-pytestmark = [
-    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore::UserWarning"),
-]
-
-MiB = 2**20
-CA = ("core_attn", "attn_proj")
+from tests.test_auto import CA, MiB, _Mark, pytestmark  # noqa: F401 (pytestmark: the same warning filters)
 
 
 def test_a_trace_is_the_allocators_peak_plus_the_bytes_off_per_interval_and_follows_what_is_taken():
