@@ -361,7 +361,9 @@ def _parallel():
     yield
 
 
-def test_auto_on_a_real_model_probes_then_offloads_its_plan_bitwise_equal(_parallel, caplog):
+def train_auto_bitwise_equal(caplog: pytest.LogCaptureFixture) -> None:
+    """Train the tests' 3-layer GPT with offload_modules=["auto"] two steps past its probe, logging at INFO, and
+    check its losses and gradients against a run without offloading, bit for bit."""
     kw = dict(n_steps=PROBE_STEPS + 2, num_microbatches=2, seq_len=16, micro_batch_size=2, lr=0.1)
     ref = run_steps(build_dense_gpt(num_layers=3), **kw)
     overrides = dict(fine_grained_activation_offloading=True, offload_modules=["auto"], min_offloaded_tensor_size=512)
@@ -370,6 +372,10 @@ def test_auto_on_a_real_model_probes_then_offloads_its_plan_bitwise_equal(_paral
     assert got.losses == ref.losses
     for ga, gb in zip(got.grads, ref.grads, strict=True):
         assert all((ga[k] == gb[k]).all() for k in ga)
+
+
+def test_auto_on_a_real_model_probes_then_offloads_its_plan_bitwise_equal(_parallel, caplog):
+    train_auto_bitwise_equal(caplog)
     plan = get_manager().auto.plan
     assert plan is not None and plan.hidden  # on CPU the "link" is a memcpy: everything fits
     assert sum(1 for m in caplog.messages if m.startswith("offload auto plan")) == 1

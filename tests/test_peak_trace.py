@@ -13,8 +13,8 @@ from mcore_offload.runtime.auto_choice import ChunkProfile, HostCost, choose
 from mcore_offload.runtime.manager import get_manager
 from mcore_offload.runtime.peak_trace import PeakFollower, PeakTrace
 from mcore_offload.summary import get_summary
-from tests.harness.gpt import build_dense_gpt, init_parallel, run_steps
-from tests.test_auto import CA, MiB, _Mark, pytestmark  # noqa: F401 (pytestmark: the same warning filters)
+from tests.harness.gpt import init_parallel
+from tests.test_auto import CA, MiB, _Mark, pytestmark, train_auto_bitwise_equal  # noqa: F401 (warning filters)
 
 
 def test_a_trace_is_the_allocators_peak_plus_the_bytes_off_per_interval_and_follows_what_is_taken():
@@ -182,14 +182,7 @@ def test_a_real_model_plans_for_the_traced_plain_peak_bitwise_equal(_parallel, c
             counted_first.append((off, sum(e.off_device for e in entries)))
 
     monkeypatch.setattr(manager_module.OffloadManager, "before_reload", recording)
-    kw = dict(n_steps=PROBE_STEPS + 2, num_microbatches=2, seq_len=16, micro_batch_size=2, lr=0.1)
-    ref = run_steps(build_dense_gpt(num_layers=3), **kw)
-    overrides = dict(fine_grained_activation_offloading=True, offload_modules=["auto"], min_offloaded_tensor_size=512)
-    with caplog.at_level(logging.INFO, logger="mcore_offload"):
-        got = run_steps(build_dense_gpt(num_layers=3, config_overrides=overrides), **kw)
-    assert got.losses == ref.losses
-    for ga, gb in zip(got.grads, ref.grads, strict=True):
-        assert all((ga[k] == gb[k]).all() for k in ga)
+    train_auto_bitwise_equal(caplog)
     assert "without offloading the traced step would peak at" in caplog.text and len(resets) > 2
     # the traced step's reloads (the Python path, with or without the C++ runtime loaded) counted their entries back
     # before allocating them; no other step did
