@@ -77,6 +77,11 @@ def ours_results(args: Any, on_steps: list[bool], switching: bool, at_peak: int 
         vals = [v for v in per_step[key][skip:] if v is not None]
         row[key] = statistics.median(vals) if vals else None
     row["host_bytes_at_peak"] = at_peak
+    # auto's inputs and plan, for benchmarks/auto_replay.py (None without auto)
+    from mcore_offload.runtime.manager import get_manager
+
+    auto = get_manager().auto
+    row["auto_record"] = None if auto is None else auto.record
     if breakdown is not None:
         breakdown.recording = False
         row["runtime_breakdown"] = breakdown.as_dict(max(args.train_iters - args.warmup_steps, 1))

@@ -3,7 +3,9 @@ how the summary records it, and what the choice and the planner do with it."""
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 
 import pytest
 
@@ -15,6 +17,7 @@ from mcore_offload.runtime.peak_trace import PeakFollower, PeakTrace
 from mcore_offload.summary import get_summary
 from tests.harness.gpt import init_parallel
 from tests.test_auto import CA, MiB, _Mark, pytestmark, train_auto_bitwise_equal  # noqa: F401 (warning filters)
+from tests.test_auto_record import auto_replay
 
 
 def test_a_trace_is_the_allocators_peak_plus_the_bytes_off_per_interval_and_follows_what_is_taken():
@@ -195,3 +198,8 @@ def test_a_real_model_plans_for_the_traced_plain_peak_bitwise_equal(_parallel, c
     for step in steps[PROBE_STEPS:]:
         assert step.total("released_in_forward") == step.total("offloaded") == step.total("reloaded") > 0
     assert get_summary().off_device_bytes == 0 and get_summary().peak_trace is None
+    # what the plan was chosen from is kept, JSON-ready, and replays to the same plan (benchmarks/auto_replay.py)
+    record = json.loads(json.dumps(get_manager().auto.record))
+    replayed = auto_replay.replay(record, [1.0, math.inf])
+    assert replayed["replay_matches"] and record["trace"] is not None
+    assert replayed["full_set_saving_bytes"] >= plan.expected_saving_bytes

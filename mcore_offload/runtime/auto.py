@@ -37,6 +37,7 @@ from typing import Any
 
 from mcore_offload.config import attn_proj_frees_alone, choice_env, nonnegative_float_env, selectively_recomputed
 from mcore_offload.runtime.auto_choice import OUTSIDE_CLOCK, ChunkProfile, HostCost, Plan, choose, host_cost
+from mcore_offload.runtime.auto_record import to_record
 from mcore_offload.runtime.peak_trace import PeakTrace
 
 logger = logging.getLogger(__name__)
@@ -247,6 +248,7 @@ class AutoPlanner:
         self._peak_seen = -1
         # the measured step's (profiles, host cost, link GB/s), kept for the plan at the peak step's end
         self._measured: tuple[dict[Any, ChunkProfile], HostCost | None, float] | None = None
+        self.record: dict[str, Any] | None = None  # what the plan was chosen from (runtime/auto_record.py)
 
     @property
     def measuring(self) -> bool:
@@ -340,6 +342,7 @@ class AutoPlanner:
             # The probe offloaded everything: without offloading the peak would be higher by what was off.
             need = peak_bytes + off_device_at_peak - int(self.target_gib * 2**30)
         self.plan = choose(profiles, link, need, host)
+        self.record = to_record(profiles, host, link, need, None, self.plan)
         if untraced_peak:
             self.plan.note = "; ".join(filter(None, [self.plan.note, "ranked by bytes: the probe peaked with nothing "
                                                     "off the device"]))
@@ -358,6 +361,7 @@ class AutoPlanner:
                     len(units), (probe_peak or 0) / 2**30)
         need = None if self.target_gib is None else plain - int(self.target_gib * 2**30)
         self.plan = choose(profiles, link, need, host, trace=units)
+        self.record = to_record(profiles, host, link, need, units, self.plan)
         logger.info("offload auto plan%s: %s", "" if self.target_gib is None else f" (target {self.target_gib} GiB)",
                     self.plan.describe())
         self._measured = None

@@ -1,0 +1,114 @@
+"""Replay ``auto``'s choice offline from a benchmark JSON (each rank's ``auto_record``, runtime/auto_record.py).
+
+For every rank that planned with ``auto``: the recorded plan, the same choice replayed here (it must match: the
+choice is deterministic), what offloading every unit would take off the peak (the full set), and the plan the same
+rule picks under other host-time budgets, as a share of the full set. This is how to read issue 5's "at least 90 %
+of the full set's Δpeak at ≤ +2 %" against the host-time model a run measured, without device time.
+
+    python benchmarks/auto_replay.py runs/G/alt_auto-none-1.json [...] [--budgets 0.5 1 2 4 8 inf] [--json-out F]
+
+A budget multiplier scales the plan's host-time budget (HOST_BUDGET of the plain step, auto_choice.py); ``inf``
+counts no host time at all (the link alone limits the plan).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from mcore_offload.runtime.auto_choice import HOST_BUDGET, choose  # noqa: E402
+from mcore_offload.runtime.auto_record import from_record  # noqa: E402
+
+GiB = 2**30
+
+
+def full_set_saving(profiles: dict, trace: Any) -> int:
+    """What offloading every unit the probe offloaded would take off the plain step's peak."""
+    if trace is not None:
+        return trace.saving({(vp, layer, unit) for vp, p in profiles.items() for layer, unit in p.unit_bytes})
+    return sum(p.saving(layer, unit, n) for p in profiles.values() for (layer, unit), n in p.unit_bytes.items())
+
+
+def replay(rec: dict[str, Any], budgets: list[float]) -> dict[str, Any]:
+    """The recorded plan, its replay, the full set and the plan per budget multiplier, for one rank's record."""
+    profiles, host, link, need, trace = from_record(rec)
+    again = choose(profiles, link, need, host, trace=trace)
+    full = full_set_saving(profiles, trace)
+    plain_ms = host.budget_ms / HOST_BUDGET if host is not None and HOST_BUDGET else None
+    rows = []
+    for m in budgets:
+        h = None if host is None or math.isinf(m) else dataclasses.replace(host, budget_ms=host.budget_ms * m)
+        plan = choose(profiles, link, need, h, trace=trace)
+        # the host time the picked units cost under the measured model, whatever budget picked them
+        host_ms = plan.host_ms if h is not None else _host_ms_of(plan, profiles, host)
+        rows.append({"budget_x": m, "saving_bytes": plan.expected_saving_bytes,
+                     "share_of_full": plan.expected_saving_bytes / full if full else None,
+                     "host_ms": host_ms, "host_pct_of_step": 100 * host_ms / plain_ms if plain_ms else None,
+                     "points": sum(len(v) for v in plan.points.values()), "describe": plan.describe()})
+    same_points = _points((vp, layer, pts) for (vp, layer), pts in again.points.items()) == _points(
+        rec["plan"]["points"])
+    return {"recorded": rec["plan"]["describe"], "replayed": again.describe(),
+            "replay_matches": same_points and again.expected_saving_bytes == rec["plan"]["expected_saving_bytes"],
+            "full_set_saving_bytes": full, "plain_step_ms": plain_ms,
+            "budget_ms": None if host is None else host.budget_ms, "budgets": rows}
+
+
+def _points(points: Any) -> list:
+    """(chunk, layer, points) triples in one comparable form (a frozenset's order is not its content's)."""
+    return sorted(((vp, layer, sorted(pts)) for vp, layer, pts in points), key=str)
+
+
+def _host_ms_of(plan: Any, profiles: dict, host: Any) -> float:
+    """The measured model's host time of a plan chosen without it (budget ``inf``)."""
+    if host is None:
+        return 0.0
+    from mcore_offload.runtime.auto_choice import _host_ms
+
+    picked = [(n, vp, layer, unit) for vp, p in profiles.items() for (layer, unit), n in p.unit_bytes.items()
+              if set(unit) <= plan.points.get((vp, layer), frozenset())]
+    return _host_ms(host, picked, profiles)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("files", nargs="+", help="benchmark JSON files (pretrain_gpt.py's, with 'ranks')")
+    ap.add_argument("--budgets", nargs="+", type=float, default=[0.5, 1.0, 2.0, 4.0, 8.0, math.inf])
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args(argv)
+    out = []
+    for f in args.files:
+        for r in json.loads(Path(f).read_text())["ranks"]:
+            rec = r.get("auto_record")
+            if not rec:
+                continue
+            res = replay(rec, args.budgets)
+            res.update(file=f, rank=r["rank"])
+            out.append(res)
+            same = "matches" if res["replay_matches"] else "DIFFERS"
+            print(f"{f} rank {r['rank']}: full set {res['full_set_saving_bytes'] / GiB:.2f} GiB off the plain peak; "
+                  f"plain step {res['plain_step_ms'] or 0:.1f} ms; replay {same}")
+            print(f"  {'budget':>7} {'saving GiB':>10} {'of full':>8} {'host ms':>8} {'% step':>7} {'points':>6}")
+            for row in res["budgets"]:
+                share = "-" if row["share_of_full"] is None else f"{100 * row['share_of_full']:.0f} %"
+                pct = "-" if row["host_pct_of_step"] is None else f"{row['host_pct_of_step']:.1f}"
+                print(f"  {row['budget_x']:>6}x {row['saving_bytes'] / GiB:>10.2f} {share:>8} {row['host_ms']:>8.1f} "
+                      f"{pct:>7} {row['points']:>6}")
+    if not out:
+        print("no rank with an auto_record in these files: run with --offload-modules auto (session 70 on)")
+        return 1
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
