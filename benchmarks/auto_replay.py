@@ -5,7 +5,7 @@ choice is deterministic), what offloading every unit would take off the peak (th
 rule picks under other host-time budgets, as a share of the full set. This is how to read issue 5's "at least 90 %
 of the full set's Δpeak at ≤ +2 %" against the host-time model a run measured, without device time.
 
-    python benchmarks/auto_replay.py runs/G/alt_auto-none-1.json [...] [--budgets 0.5 1 2 4 8 inf] [--json-out F]
+    python benchmarks/auto_replay.py runs/G/alt_auto-none-1.json[.gz] [...] [--budgets 0.5 1 2 4 8 inf] [--json-out F]
 
 A budget multiplier scales the plan's host-time budget (HOST_BUDGET of the plain step, auto_choice.py); ``inf``
 counts no host time at all (the link alone limits the plan).
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gzip
 import json
 import math
 import sys
@@ -78,6 +79,13 @@ def _host_ms_of(plan: Any, profiles: dict, host: Any) -> float:
     return _host_ms(host, picked, profiles)
 
 
+def _load(path: str) -> dict[str, Any]:
+    """A benchmark JSON, gzipped or not (the records' traces make a pipeline rank's JSON about 1 MB)."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as fh:
+        return json.load(fh)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("files", nargs="+", help="benchmark JSON files (pretrain_gpt.py's, with 'ranks')")
@@ -86,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     out = []
     for f in args.files:
-        for r in json.loads(Path(f).read_text())["ranks"]:
+        for r in _load(f)["ranks"]:
             rec = r.get("auto_record")
             if not rec:
                 continue

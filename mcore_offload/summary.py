@@ -72,6 +72,10 @@ class OffloadSummary:
     _peak_resetter: Callable[[], None] | None = None
     peak_trace: PeakTrace | None = None
     _allocations_seen: int = 0
+    # Where reloads came on demand, by "step N: key" (key: (chunk, layer, point) in auto's peak step, else the point).
+    # Counted where the manager sees each entry (the Python path, and any step that traces the peak); the C++ path's
+    # untraced bursts count per point only.
+    on_demand_by_key: dict[str, int] = field(default_factory=dict)
     _last_peak: int = 0
     runtime_ns: int = 0  # host time inside the runtime's Python hooks since the last closed step
     # the C++ paths' part of it (a native RuntimeClock, set by the manager where the C++ runtime is loaded): an int64
@@ -84,6 +88,12 @@ class OffloadSummary:
 
     def add(self, point: str, counter: str, nbytes: int) -> None:
         self._current[point][counter] += nbytes
+
+    def add_on_demand(self, point: str, key: Any, nbytes: int) -> None:
+        """A reload no prefetch had started: counted for its point, and under this step and its key."""
+        self._current[point]["reloaded_on_demand"] += nbytes
+        where = f"step {len(self.steps)}: {key or point}"
+        self.on_demand_by_key[where] = self.on_demand_by_key.get(where, 0) + nbytes
 
     def point_totals(self, counter: str) -> dict[str, int]:
         """This step's ``counter`` so far, per point."""
@@ -219,6 +229,8 @@ class OffloadSummary:
             "off_device_at_peak_bytes": self.off_device_at_peak_bytes,
             "host_buffer_allocations": sum(t.pool.allocations for t in transports),
             "host_buffer_allocations_per_step": [s.host_buffer_allocations for s in self.steps],
+            "reloaded_on_demand_per_step": [s.total("reloaded_on_demand") for s in self.steps],
+            "on_demand_by_key": dict(self.on_demand_by_key),
             "host_buffer_bytes": sum(t.pool.allocated_bytes for t in transports),
             # MCORE_OFFLOAD_D2H_IN_FLIGHT: the compute stream's waits for copy-out bursts so far (0 when unbounded)
             "d2h_in_flight_waits": sum(t.in_flight_waits for t in transports),

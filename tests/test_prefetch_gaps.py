@@ -38,3 +38,22 @@ def test_a_layer_left_out_of_the_plan_does_not_stop_the_prefetch(monkeypatch, na
     # layer 5's backward brings layer 3 back ahead of time, across layer 4
     assert last.total("reloaded_on_demand") == 0
     manager_module.reset()
+
+
+def test_reloads_no_prefetch_started_are_counted_by_step_and_point(monkeypatch):
+    """What the benchmark JSON carries to find a missed prefetch (D-moe's last stage, sessions 69-70): the bytes
+    reloaded on demand per step, and where ("step N: point", or the (chunk, layer, point) of auto's peak step)."""
+    from mcore_offload.runtime.prefetch import Prefetch
+
+    monkeypatch.setenv("MCORE_OFFLOAD_NATIVE", "0")
+    monkeypatch.setattr(Prefetch, "_prefetch", lambda self, group: None)  # every reload then comes on demand
+    manager_module.reset()
+    toy_steps(Toy(cfg(*sorted(POINTS)), layers=3), steps=2)
+    out = get_summary().as_dict()
+    assert out["reloaded_on_demand_per_step"] == [s.total("reloaded") for s in get_summary().steps]
+    assert out["reloaded_on_demand_per_step"][1] > 0
+    by_key = out["on_demand_by_key"]
+    assert {k.split(": ")[0] for k in by_key} == {"step 0", "step 1"}
+    assert sum(v for k, v in by_key.items() if k.startswith("step 1")) == out["reloaded_on_demand_per_step"][1]
+    assert {k.split(": ")[1] for k in by_key} <= POINTS
+    manager_module.reset()

@@ -429,7 +429,7 @@ class OffloadManager:
     def on_reloaded(self, entry: Entry, on_demand: bool = False) -> None:
         self.summary.add(entry.point, "reloaded", entry.nbytes)
         if on_demand:
-            self.summary.add(entry.point, "reloaded_on_demand", entry.nbytes)
+            self.summary.add_on_demand(entry.point, entry.peak_key, entry.nbytes)
         self._back_on_device(entry)
 
     def on_hosts_freed(self, entries: list[Entry]) -> None:
