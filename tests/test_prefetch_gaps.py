@@ -9,6 +9,7 @@ import torch
 from test_runtime_unit import Toy, cfg, toy_steps
 
 from mcore_offload.runtime import manager as manager_module
+from mcore_offload.runtime import points
 from mcore_offload.runtime.auto_choice import Plan
 from mcore_offload.runtime.manager import get_manager
 from mcore_offload.summary import get_summary
@@ -37,6 +38,40 @@ def test_a_layer_left_out_of_the_plan_does_not_stop_the_prefetch(monkeypatch, na
     assert last.total("reloaded") == last.total("offloaded") > 0
     # layer 5's backward brings layer 3 back ahead of time, across layer 4
     assert last.total("reloaded_on_demand") == 0
+    manager_module.reset()
+
+
+class NormToy(Toy):
+    """The toy with a point committed at the layer's output, as megatron-core's ``mlp_norm`` is (after the
+    bias-dropout-add): its commit hook and the next layer's start hook are on one autograd node."""
+
+    def layer(self, x, qkv, proj):
+        points.layer_boundary(self.config)
+        with points.offload("qkv_linear", self.config, x) as h:
+            mixed = qkv(torch.tanh(h))
+        mixed = points.commit("qkv_linear", self.config, mixed)
+        with points.offload("mlp_norm", self.config, mixed) as m:
+            normed = torch.tanh(m) * m
+        return points.commit("mlp_norm", self.config, x + proj(normed[..., : x.shape[-1]]))
+
+
+@pytest.mark.parametrize("native", ["0", "1"])
+def test_a_late_prefetch_brings_back_the_layer_output_point_below_before_it_is_needed(monkeypatch, native):
+    """D-moe's probe steps (sessions 69-70) reloaded ``mlp_norm`` of each chunk's first layer on demand: under a late
+    prefetch the layer above, done at the same node as that commit, must start its burst first."""
+    monkeypatch.setenv("MCORE_OFFLOAD_NATIVE", native)
+    monkeypatch.setenv("MCORE_OFFLOAD_PREFETCH", "late")
+    names = ("qkv_linear", "mlp_norm")
+    manager_module.reset()
+    base = toy_steps(NormToy(cfg(), layers=4), steps=2)
+    manager_module.reset()
+    got = toy_steps(NormToy(cfg(*names), layers=4), steps=2)
+    for (l0, g0), (l1, g1) in zip(base, got):
+        assert all(torch.equal(a, b) for a, b in zip(l0, l1))
+        assert all(torch.equal(a, b) for a, b in zip(g0, g1))
+    last = get_summary().last_step
+    assert last.points["mlp_norm"]["reloaded"] == last.points["mlp_norm"]["offloaded"] > 0
+    assert get_summary().as_dict()["reloaded_on_demand_per_step"] == [0, 0]
     manager_module.reset()
 
 

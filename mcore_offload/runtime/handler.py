@@ -330,6 +330,7 @@ class ChunkOffloadHandler(SecondLook, Prefetch, HandlerBase):
                     for point in g.points:
                         self.manager.auto.kept(self.vp_stage, g.layer, point)
             self.pending = []
+        self._upper_layer_done_first(group)
         self._reload(*self._chain_parts(group, group.entries), on_demand=True)
         self._wait_for_start(group)
         self._prefetch(group)

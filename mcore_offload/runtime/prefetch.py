@@ -167,6 +167,24 @@ class Prefetch:
             return [run]
         return [later, [e for e in run if e.point == first]]
 
+    def _upper_layer_done_first(self, group: Group) -> None:
+        """Before ``group`` reloads on its own: if the next group up is the first of a later layer whose prefetch is
+        late and it is not done yet, it is done now, and its late burst brings this layer back first.
+
+        Why: a point committed at the layer's output (``mlp_norm``, after the bias-dropout-add) hooks the node that
+        made the output, and so does the next layer's first point where it starts from that tensor (TE's fused
+        ``qkv_linear``, or ``attn_norm``). Pre-hooks run in the order they were added, so this group's commit ran
+        before the layer above was marked done, and reloaded on demand ahead of the late burst (D-moe's probe steps,
+        sessions 69-70: ``mlp_norm`` of each chunk's first layer, 128 MiB a chunk). The layer above is through by
+        now in any case: this node runs only once its input's gradient is complete.
+        """
+        i = group.index
+        if i < 0 or i + 1 >= len(self.groups):
+            return
+        upper = self.groups[i + 1]
+        if upper.layer > group.layer and not upper.done and self._late(upper.layer):
+            self.on_group_backward_done(upper)
+
     def _prefetch_layer_below(self, group: Group) -> None:
         """The layer's first group is done (a late prefetch, see :meth:`_late`): its storages go as the layer
         below's come back, one done event per group. The layer below's backward starts right away, so its first

@@ -295,6 +295,30 @@ int wait_latest(PyObject* handler, PyObject* group, PyObject* entries) {
   return latest_seq ? wait_reload(transport.get(), event.get(), latest_seq.get()) : -1;
 }
 
+// handler._upper_layer_done_first (prefetch.py): where the next group up is the first of a later layer whose prefetch
+// is late and it is not done yet, it is done now, so that its late burst brings this layer back before this group
+// reloads on its own (both hook the node that made the layer's output; pre-hooks run in the order they were added).
+// 1: done, or nothing to do; 0: the Python method must run; -1: error set
+int upper_layer_done_first(PyObject* handler, PyObject* group, int mode) {
+  if (mode == kLayerMode) return 1;
+  long index = attr_long(group, s_index);
+  if (index == -1 && PyErr_Occurred()) return -1;
+  Ref groups(index >= 0 ? getattr_fast(handler, s_groups) : nullptr);
+  if (index < 0) return 1;
+  if (!groups) return -1;
+  if (!PyList_Check(groups.get()) || index + 1 >= PyList_GET_SIZE(groups.get())) return 1;
+  Ref upper(PySequence_GetItem(groups.get(), index + 1));
+  long upper_layer = upper ? attr_long(upper.get(), s_layer) : -1;
+  long layer = upper ? attr_long(group, s_layer) : -1;
+  if (PyErr_Occurred()) return -1;
+  if (upper_layer <= layer) return 1;
+  int done = attr_true(upper.get(), s_done);
+  if (done != 0) return done < 0 ? -1 : 1;
+  int late = late_for(handler, mode, upper_layer);
+  if (late <= 0) return late < 0 ? -1 : 1;
+  return group_done_impl(handler, upper.get());
+}
+
 }  // namespace
 
 // handler.on_group_commit_backward's common case: 1 done, 0 nothing done (the Python method must run), -1 error set
@@ -305,6 +329,8 @@ int commit_backward_impl(PyObject* handler, PyObject* group) {
   int mode = fast > 0 ? prefetch_mode(manager.get()) : 0;
   if (fast < 0 || mode < 0) return -1;
   if (fast == 0) return 0;
+  int upper = upper_layer_done_first(handler, group, mode);
+  if (upper <= 0) return upper;
   // manager.on_backward, with no chain to close and no other chunk to flush: _forward_ended's layer count
   Ref layers(getattr_fast(handler, s_layers));
   int any = layers ? PyObject_IsTrue(layers.get()) : -1;
