@@ -6,6 +6,7 @@ rule picks under other host-time budgets, as a share of the full set. This is ho
 of the full set's Δpeak at ≤ +2 %" against the host-time model a run measured, without device time.
 
     python benchmarks/auto_replay.py runs/G/alt_auto-none-1.json[.gz] [...] [--budgets 0.5 1 2 4 8 inf] [--json-out F]
+        [--plot PNG --labels A B ...]   # share of the full set against modelled host time, one line per rank
 
 A budget multiplier scales the plan's host-time budget (HOST_BUDGET of the plain step, auto_choice.py); ``inf``
 counts no host time at all (the link alone limits the plan).
@@ -91,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("files", nargs="+", help="benchmark JSON files (pretrain_gpt.py's, with 'ranks')")
     ap.add_argument("--budgets", nargs="+", type=float, default=[0.5, 1.0, 2.0, 4.0, 8.0, math.inf])
     ap.add_argument("--json-out", default=None)
+    ap.add_argument("--plot", default=None, help="draw each rank's share of the full set against its host time")
+    ap.add_argument("--labels", nargs="+", default=None, help="one name per file for the plot's legend")
     args = ap.parse_args(argv)
     out = []
     for f in args.files:
@@ -99,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
             if not rec:
                 continue
             res = replay(rec, args.budgets)
-            res.update(file=f, rank=r["rank"])
+            label = args.labels[args.files.index(f)] if args.labels else Path(f).parent.name
+            res.update(file=f, rank=r["rank"], label=label)
             out.append(res)
             same = "matches" if res["replay_matches"] else "DIFFERS"
             print(f"{f} rank {r['rank']}: full set {res['full_set_saving_bytes'] / GiB:.2f} GiB off the plain peak; "
@@ -115,7 +119,39 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(out, indent=1))
+    if args.plot:
+        plot(out, args.plot)
     return 0
+
+
+def plot(results: list[dict[str, Any]], png: str) -> None:
+    """Share of the full set's saving against the plan's modelled host time (% of the plain step), one line per rank,
+    with the host budget (HOST_BUDGET) and the +2 % line marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for res in results:
+        pts = sorted((row["host_pct_of_step"], 100 * row["share_of_full"]) for row in res["budgets"]
+                     if row["host_pct_of_step"] is not None and row["share_of_full"] is not None)
+        if pts:
+            name = res["label"] + (f" rank {res['rank']}" if any(o["label"] == res["label"] and o is not res
+                                                                 for o in results) else "")
+            ax.plot([0.0] + [p[0] for p in pts], [0.0] + [p[1] for p in pts], marker="o", ms=3, label=name)
+    ax.axvline(100 * HOST_BUDGET, color="grey", ls=":", lw=1, label=f"host budget ({100 * HOST_BUDGET:.1f} %)")
+    ax.axvline(2.0, color="black", ls="--", lw=1, label="+2 % line")
+    ax.axhline(90.0, color="red", ls=":", lw=1, label="90 % of the full set")
+    ax.set_xlabel("modelled host time of the plan, % of the plain step")
+    ax.set_ylabel("share of the full set's peak saving, %")
+    ax.set_xlim(left=0)
+    ax.set_ylim(0, 105)
+    ax.legend(fontsize=7, loc="lower right")
+    ax.set_title("auto's choice replayed at scaled host budgets", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

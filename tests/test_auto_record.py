@@ -84,7 +84,10 @@ def test_the_replay_gives_the_full_set_and_what_each_budget_buys_of_it(tmp_path,
     assert free["host_ms"] > two["host_ms"] > one["host_ms"]
     js = tmp_path / "run.json"
     js.write_text(json.dumps({"ranks": [{"rank": 0, "auto_record": rec}, {"rank": 1, "auto_record": None}]}))
-    assert auto_replay.main([str(js), "--budgets", "1", "inf", "--json-out", str(tmp_path / "r.json")]) == 0
+    png = tmp_path / "frontier.png"
+    assert auto_replay.main([str(js), "--budgets", "1", "inf", "--json-out", str(tmp_path / "r.json"),
+                             "--plot", str(png), "--labels", "toy"]) == 0
+    assert png.stat().st_size > 0
     text = capsys.readouterr().out
     assert "rank 0: full set 0.20 GiB" in text and "replay matches" in text and "rank 1" not in text
     assert json.loads((tmp_path / "r.json").read_text())[0]["budgets"][1]["share_of_full"] == 1.0
