@@ -8,8 +8,8 @@ of the full set's Δpeak at ≤ +2 %" against the host-time model a run measured
     python benchmarks/auto_replay.py runs/G/alt_auto-none-1.json[.gz] [...] [--budgets 0.5 1 2 4 8 inf] [--json-out F]
         [--plot PNG --labels A B ...]   # share of the full set against modelled host time, one line per rank
 
-A budget multiplier scales the plan's host-time budget (HOST_BUDGET of the plain step, auto_choice.py); ``inf``
-counts no host time at all (the link alone limits the plan).
+A budget multiplier scales the plan's host-time budget (HOST_BUDGET of the plain step, auto_choice.py); with ``inf``
+no unit is turned away for its host time (the link alone limits the plan).
 """
 
 from __future__ import annotations
@@ -48,10 +48,10 @@ def replay(rec: dict[str, Any], budgets: list[float]) -> dict[str, Any]:
     plain_ms = host.budget_ms / HOST_BUDGET if host is not None and HOST_BUDGET else None
     rows = []
     for m in budgets:
-        h = None if host is None or math.isinf(m) else dataclasses.replace(host, budget_ms=host.budget_ms * m)
+        # an infinite budget still prices each plan with the measured model, and never turns a unit away
+        h = None if host is None else dataclasses.replace(host, budget_ms=host.budget_ms * m)
         plan = choose(profiles, link, need, h, trace=trace)
-        # the host time the picked units cost under the measured model, whatever budget picked them
-        host_ms = plan.host_ms if h is not None else _host_ms_of(plan, profiles, host)
+        host_ms = plan.host_ms
         rows.append({"budget_x": m, "saving_bytes": plan.expected_saving_bytes,
                      "share_of_full": plan.expected_saving_bytes / full if full else None,
                      "host_ms": host_ms, "host_pct_of_step": 100 * host_ms / plain_ms if plain_ms else None,
@@ -67,17 +67,6 @@ def replay(rec: dict[str, Any], budgets: list[float]) -> dict[str, Any]:
 def _points(points: Any) -> list:
     """(chunk, layer, points) triples in one comparable form (a frozenset's order is not its content's)."""
     return sorted(((vp, layer, sorted(pts)) for vp, layer, pts in points), key=str)
-
-
-def _host_ms_of(plan: Any, profiles: dict, host: Any) -> float:
-    """The measured model's host time of a plan chosen without it (budget ``inf``)."""
-    if host is None:
-        return 0.0
-    from mcore_offload.runtime.auto_choice import _host_ms
-
-    picked = [(n, vp, layer, unit) for vp, p in profiles.items() for (layer, unit), n in p.unit_bytes.items()
-              if set(unit) <= plan.points.get((vp, layer), frozenset())]
-    return _host_ms(host, picked, profiles)
 
 
 def _load(path: str) -> dict[str, Any]:

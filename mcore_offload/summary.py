@@ -91,7 +91,7 @@ class OffloadSummary:
 
     def add_on_demand(self, point: str, key: Any, nbytes: int) -> None:
         """A reload no prefetch had started: counted for its point, and under this step and its key."""
-        self._current[point]["reloaded_on_demand"] += nbytes
+        self.add(point, "reloaded_on_demand", nbytes)
         where = f"step {len(self.steps)}: {key or point}"
         self.on_demand_by_key[where] = self.on_demand_by_key.get(where, 0) + nbytes
 
