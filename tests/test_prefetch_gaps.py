@@ -17,6 +17,13 @@ from mcore_offload.summary import get_summary
 POINTS = frozenset({"qkv_linear", "core_attn", "attn_proj"})
 
 
+def assert_bitwise_equal(base: list, got: list) -> None:
+    """Every step's losses and gradients of two :func:`toy_steps` runs, bit for bit."""
+    for (l0, g0), (l1, g1) in zip(base, got, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(l0, l1))
+        assert all(torch.equal(a, b) for a, b in zip(g0, g1))
+
+
 @pytest.mark.parametrize("native", ["0", "1"])
 @pytest.mark.parametrize("prefetch", ["layer", "tail"])
 def test_a_layer_left_out_of_the_plan_does_not_stop_the_prefetch(monkeypatch, native, prefetch):
@@ -31,9 +38,7 @@ def test_a_layer_left_out_of_the_plan_does_not_stop_the_prefetch(monkeypatch, na
     get_manager().auto.plan = Plan({(None, layer): POINTS for layer in (2, 3, 5, 6)}, 0, True, 1000.0)
     get_summary().steps.clear()
     got = toy_steps(model, steps=3)
-    for (l0, g0), (l1, g1) in zip(base, got):
-        assert all(torch.equal(a, b) for a, b in zip(l0, l1))
-        assert all(torch.equal(a, b) for a, b in zip(g0, g1))
+    assert_bitwise_equal(base, got)
     last = get_summary().last_step
     assert last.total("reloaded") == last.total("offloaded") > 0
     # layer 5's backward brings layer 3 back ahead of time, across layer 4
@@ -66,9 +71,7 @@ def test_a_late_prefetch_brings_back_the_layer_output_point_below_before_it_is_n
     base = toy_steps(NormToy(cfg(), layers=4), steps=2)
     manager_module.reset()
     got = toy_steps(NormToy(cfg(*names), layers=4), steps=2)
-    for (l0, g0), (l1, g1) in zip(base, got):
-        assert all(torch.equal(a, b) for a, b in zip(l0, l1))
-        assert all(torch.equal(a, b) for a, b in zip(g0, g1))
+    assert_bitwise_equal(base, got)
     last = get_summary().last_step
     assert last.points["mlp_norm"]["reloaded"] == last.points["mlp_norm"]["offloaded"] > 0
     assert get_summary().as_dict()["reloaded_on_demand_per_step"] == [0, 0]

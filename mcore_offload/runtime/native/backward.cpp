@@ -303,10 +303,10 @@ int upper_layer_done_first(PyObject* handler, PyObject* group, int mode) {
   if (mode == kLayerMode) return 1;
   long index = attr_long(group, s_index);
   if (index == -1 && PyErr_Occurred()) return -1;
-  Ref groups(index >= 0 ? getattr_fast(handler, s_groups) : nullptr);
   if (index < 0) return 1;
+  Ref groups(handler_groups(handler));
   if (!groups) return -1;
-  if (!PyList_Check(groups.get()) || index + 1 >= PyList_GET_SIZE(groups.get())) return 1;
+  if (index + 1 >= PyList_GET_SIZE(groups.get())) return 1;
   Ref upper(PySequence_GetItem(groups.get(), index + 1));
   long upper_layer = upper ? attr_long(upper.get(), s_layer) : -1;
   long layer = upper ? attr_long(group, s_layer) : -1;
