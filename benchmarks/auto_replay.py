@@ -45,7 +45,7 @@ def replay(rec: dict[str, Any], budgets: list[float]) -> dict[str, Any]:
     profiles, host, link, need, trace = from_record(rec)
     again = choose(profiles, link, need, host, trace=trace)
     full = full_set_saving(profiles, trace)
-    plain_ms = host.budget_ms / HOST_BUDGET if host is not None and HOST_BUDGET else None
+    plain_ms = host.budget_ms / host.budget_share if host is not None and host.budget_share else None
     rows = []
     for m in budgets:
         # an infinite budget still prices each plan with the measured model, and never turns a unit away

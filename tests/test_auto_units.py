@@ -137,9 +137,9 @@ def test_the_probes_group_count_is_the_groups_the_runtime_opened(base, monkeypat
             opened.append(group)
         return group
 
-    def host_cost(runtime_ms, wall_ms, exposure, microbatches, unit_layers, chaining=True, outside_clock=None):
-        probed.append((probe_groups(microbatches, unit_layers, chaining), unit_layers[None]))
-        return real_cost(runtime_ms, wall_ms, exposure, microbatches, unit_layers, chaining, outside_clock)
+    def host_cost(runtime_ms, wall_ms, exposure, microbatches, unit_layers, *args):
+        probed.append((probe_groups(microbatches, unit_layers, *args[:1]), unit_layers[None]))
+        return real_cost(runtime_ms, wall_ms, exposure, microbatches, unit_layers, *args)
 
     monkeypatch.setattr(ChunkOffloadHandler, "open_group", open_group)
     monkeypatch.setattr(auto_module, "host_cost", host_cost)

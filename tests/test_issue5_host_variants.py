@@ -91,3 +91,13 @@ def test_autotarget_asks_auto_for_the_peak_target_in_auto_gib(tmp_path, monkeypa
     envs, args = runs[0]
     assert "--offload-modules auto:13.2 " in args and "--alternate-offload" in args
     assert envs["MCORE_OFFLOAD_AUTO_BACKWARD_EXPOSURE"] == "1"
+
+
+def test_auto_hb_sets_the_host_budget_in_per_mille(tmp_path):
+    runs = _launches(tmp_path, "alt_auto_hb030 alt_auto_hb008 alt_auto")
+    assert len(runs) == 3
+    (hb30, args30), (hb8, _), (plain, _) = runs
+    # three digits read as decimal, not octal (bash's printf would read 030 as 24)
+    assert hb30["MCORE_OFFLOAD_AUTO_HOST_BUDGET"] == "0.030" and hb8["MCORE_OFFLOAD_AUTO_HOST_BUDGET"] == "0.008"
+    assert "MCORE_OFFLOAD_AUTO_HOST_BUDGET" not in plain
+    assert "--offload-modules auto " in args30 and "--alternate-offload" in args30

@@ -36,7 +36,15 @@ from collections import defaultdict
 from typing import Any
 
 from mcore_offload.config import attn_proj_frees_alone, choice_env, nonnegative_float_env, selectively_recomputed
-from mcore_offload.runtime.auto_choice import OUTSIDE_CLOCK, ChunkProfile, HostCost, Plan, choose, host_cost
+from mcore_offload.runtime.auto_choice import (
+    HOST_BUDGET,
+    OUTSIDE_CLOCK,
+    ChunkProfile,
+    HostCost,
+    Plan,
+    choose,
+    host_cost,
+)
 from mcore_offload.runtime.auto_record import to_record
 from mcore_offload.runtime.peak_trace import PeakTrace
 
@@ -60,6 +68,10 @@ OUTSIDE_CLOCK_VARIABLE = "MCORE_OFFLOAD_AUTO_OUTSIDE_CLOCK"
 #: 1: price host time at the mean of the forward's and the backward's exposure (the forward's alone by default;
 #: a candidate for partly GPU-bound steps, not yet measured on a GPU).
 BACKWARD_EXPOSURE_VARIABLE = "MCORE_OFFLOAD_AUTO_BACKWARD_EXPOSURE"
+#: Overrides :data:`~mcore_offload.runtime.auto_choice.HOST_BUDGET`, the share of the plain step that the chosen
+#: groups' exposed host time may cost (0.015 by default, under issue 5's +2 %). A larger share buys more of the full
+#: set's saving at more step time; ``benchmarks/auto_replay.py`` shows from one run's record what each share buys.
+HOST_BUDGET_VARIABLE = "MCORE_OFFLOAD_AUTO_HOST_BUDGET"
 
 
 def outside_clock_setting() -> float:
@@ -67,6 +79,17 @@ def outside_clock_setting() -> float:
     or :data:`~mcore_offload.runtime.auto_choice.OUTSIDE_CLOCK`)."""
     return nonnegative_float_env(OUTSIDE_CLOCK_VARIABLE, OUTSIDE_CLOCK,
                                  f"set it to e.g. 0 (the runtime's clock alone) or unset it for {OUTSIDE_CLOCK}.")
+
+
+def host_budget_setting() -> float:
+    """The share of the plain step that the plan may spend on exposed host time (:data:`HOST_BUDGET_VARIABLE` or
+    :data:`~mcore_offload.runtime.auto_choice.HOST_BUDGET`)."""
+    share = nonnegative_float_env(HOST_BUDGET_VARIABLE, HOST_BUDGET,
+                                  f"set it to a share of the step such as 0.03, or unset it for {HOST_BUDGET}.")
+    if share >= 1.0:
+        raise ValueError(f"{HOST_BUDGET_VARIABLE}={share:g} is a share of the step and must be under 1; set it to "
+                         f"e.g. 0.03 (3 %), or unset it for {HOST_BUDGET}.")
+    return share
 
 
 def attention_units(config: Any) -> tuple[tuple[str, ...], ...]:
@@ -236,6 +259,7 @@ class AutoPlanner:
         self.units = units  # UNITS or SPLIT_UNITS (attention_units)
         self.outside_clock = outside_clock_setting()
         self.backward_exposure = choice_env(BACKWARD_EXPOSURE_VARIABLE, "0", ("0", "1")) == "1"
+        self.host_budget = host_budget_setting()
         self.steps = 0
         self.plan: Plan | None = None
         self._marks: list[ChunkMarks] = []  # the measured step's handlers
@@ -392,7 +416,8 @@ class AutoPlanner:
         for m in self._marks:
             microbatches[m.vp_stage] += 1
         units = {vp: set(p.unit_bytes) | p.kept for vp, p in profiles.items()}
-        host = host_cost(runtime_ms, wall_ms, exposure, microbatches, units, chaining, self.outside_clock)
+        host = host_cost(runtime_ms, wall_ms, exposure, microbatches, units, chaining, self.outside_clock,
+                         self.host_budget)
         if checks:
             logger.info("offload auto probe: layer starts where the GPU had caught up with the host, of the "
                         "measured step's microbatches: %s", caught_up_by_layer(self._marks))

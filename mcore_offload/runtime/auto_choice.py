@@ -85,6 +85,7 @@ class HostCost:
     chaining: bool = True  # units of one family share a group (MCORE_OFFLOAD_CHAIN_POINTS)
     gib_ms: float = 0.0  # exposed step time per GiB a step moves out and back in (TRAFFIC_SHARE_PER_GIB)
     outside_clock: float = OUTSIDE_CLOCK  # what group_ms adds to the clock's reading, relative to it
+    budget_share: float = HOST_BUDGET  # budget_ms as a share of the plain step (records before it: HOST_BUDGET)
 
     def unit_ms(self, vp: Any, unit: tuple[str, ...], joined: bool, nbytes: int = 0) -> float:
         """Exposed host time per step of offloading ``unit`` in one layer of chunk ``vp`` (``nbytes``: what it moves
@@ -111,12 +112,13 @@ def layer_groups(units: list[tuple[str, ...]] | set[tuple[str, ...]], chaining: 
 
 def host_cost(runtime_ms: float, wall_ms: float, exposure: float | None, microbatches: dict[Any, int],
               unit_layers: dict[Any, set[tuple[int, tuple[str, ...]]]], chaining: bool = True,
-              outside_clock: float | None = None) -> HostCost | None:
+              outside_clock: float | None = None, budget_share: float = HOST_BUDGET) -> HostCost | None:
     """The probe's host figures as a :class:`HostCost` (None where no exposure could be measured: the CPU).
 
     ``unit_layers``: per chunk, the (layer, unit) the probe offloaded or kept; the probe's host time (``runtime_ms``,
     the runtime's clock, and ``outside_clock`` of it more, default :data:`OUTSIDE_CLOCK`) is shared out over them as
-    groups (:func:`probe_groups`).
+    groups (:func:`probe_groups`). ``budget_share``: the share of the plain step the plan may spend on exposed host
+    time (default :data:`HOST_BUDGET`).
     """
     if exposure is None:
         return None
@@ -126,8 +128,9 @@ def host_cost(runtime_ms: float, wall_ms: float, exposure: float | None, microba
     host_ms = (1.0 + outside_clock) * runtime_ms  # the clock's reading and what it cannot see
     group_ms = host_ms / groups if groups else 0.0
     plain_ms = max(wall_ms - exposure * host_ms, 0.0)
-    return HostCost(exposure, group_ms, HOST_BUDGET * plain_ms, dict(microbatches), chaining,
-                    gib_ms=exposure * TRAFFIC_SHARE_PER_GIB * plain_ms, outside_clock=outside_clock)
+    return HostCost(exposure, group_ms, budget_share * plain_ms, dict(microbatches), chaining,
+                    gib_ms=exposure * TRAFFIC_SHARE_PER_GIB * plain_ms, outside_clock=outside_clock,
+                    budget_share=budget_share)
 
 
 def probe_groups(microbatches: dict[Any, int], unit_layers: dict[Any, set[tuple[int, tuple[str, ...]]]],
@@ -164,7 +167,9 @@ class Plan:
                 by_chunk[vp].append(f"L{layer}:{'+'.join(sorted(pts))}")
         chunks = "; ".join(f"chunk {vp}: {' '.join(v)}" for vp, v in by_chunk.items()) or "nothing"
         host = "" if self.host is None else (
-            f", host time {self.host_ms:.1f} of {self.host.budget_ms:.1f} ms/step budget (exposure "
+            f", host time {self.host_ms:.1f} of {self.host.budget_ms:.1f} ms/step budget"
+            + (f" ({100 * self.host.budget_share:.1f} % of the step)" if self.host.budget_share != HOST_BUDGET else "")
+            + f" (exposure "
             f"{self.host.exposure:.2f}, {self.host.group_ms:.2f} ms per group with {self.host.outside_clock:.1f}x the "
             f"clock outside it, {self.host.gib_ms:.1f} ms per GiB moved)")
         return (f"{chunks} | expected peak saving {self.expected_saving_bytes / 2**30:.2f} GiB, link "
