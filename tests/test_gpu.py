@@ -1,7 +1,7 @@
 """GPU-only tests (issue 6 and the CUDA paths of issue 5). Skipped without CUDA; on the GPU host:
 
     source .gpu/w/setup.sh 0.15.3 && python3 -m mcore_offload patch apply --megatron-path /root/mc-0.15.3
-    MCORE_OFFLOAD_MEGATRON=/root/mc-0.15.3 python3 -m pytest -q -m gpu tests/test_gpu.py
+    MCORE_OFFLOAD_MEGATRON=/root/mc-0.15.3 python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_gpu_prefetch.py
 
 The first group drives the runtime on a toy model on one GPU (streams, events, pinned pool, faults). The second
 runs ``benchmarks/peak_memory.py`` (baseline vs ours, separate torchrun processes) for each combination of the
