@@ -7,6 +7,7 @@ of the full set's Δpeak at ≤ +2 %" against the host-time model a run measured
 
     python benchmarks/auto_replay.py runs/G/alt_auto-none-1.json[.gz] [...] [--budgets 0.5 1 2 4 8 inf] [--json-out F]
         [--plot PNG --labels A B ...]   # share of the full set against modelled host time, one line per rank
+        [--want 0.5 0.9]                # the MCORE_OFFLOAD_AUTO_HOST_BUDGET that buys each share, per rank
 
 A budget multiplier scales the plan's host-time budget (HOST_BUDGET of the plain step, auto_choice.py); with ``inf``
 no unit is turned away for its host time (the link alone limits the plan).
@@ -64,6 +65,29 @@ def replay(rec: dict[str, Any], budgets: list[float]) -> dict[str, Any]:
             "budget_ms": None if host is None else host.budget_ms, "budgets": rows}
 
 
+#: The budget multipliers :func:`budget_for` tries: 1/8x to 64x the recorded budget, each 10 % above the last.
+SEARCH_MULTIPLIERS = tuple(0.125 * 1.1**k for k in range(int(math.log(512) / math.log(1.1)) + 2))
+
+
+def budget_for(rec: dict[str, Any], want: float) -> dict[str, Any] | None:
+    """The smallest host-time budget (as ``MCORE_OFFLOAD_AUTO_HOST_BUDGET``, a share of the plain step) whose plan
+    takes at least ``want`` of the full set's saving, from one rank's record; None where no share under 1 does."""
+    profiles, host, link, need, trace = from_record(rec)
+    full = full_set_saving(profiles, trace)
+    if host is None or not full:
+        return None
+    for m in SEARCH_MULTIPLIERS:
+        share = host.budget_share * m
+        if share >= 1.0:
+            break
+        plan = choose(profiles, link, need, dataclasses.replace(host, budget_ms=host.budget_ms * m), trace=trace)
+        if plan.expected_saving_bytes >= want * full:
+            return {"want": want, "host_budget": share, "budget_x": m,
+                    "share_of_full": plan.expected_saving_bytes / full,
+                    "host_pct_of_step": 100 * plan.host_ms * host.budget_share / host.budget_ms}
+    return None
+
+
 def _points(points: Any) -> list:
     """(chunk, layer, points) triples in one comparable form (a frozenset's order is not its content's)."""
     return sorted(((vp, layer, sorted(pts)) for vp, layer, pts in points), key=str)
@@ -83,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--plot", default=None, help="draw each rank's share of the full set against its host time")
     ap.add_argument("--labels", nargs="+", default=None, help="one name per file for the plot's legend")
+    ap.add_argument("--want", nargs="+", type=float, default=[],
+                    help="shares of the full set's saving (0.5 0.9): the host budget each needs, per rank")
     args = ap.parse_args(argv)
     out = []
     for f in args.files:
@@ -103,6 +129,16 @@ def main(argv: list[str] | None = None) -> int:
                 pct = "-" if row["host_pct_of_step"] is None else f"{row['host_pct_of_step']:.1f}"
                 print(f"  {row['budget_x']:>6}x {row['saving_bytes'] / GiB:>10.2f} {share:>8} {row['host_ms']:>8.1f} "
                       f"{pct:>7} {row['points']:>6}")
+            res["want"] = [budget_for(rec, w) or {"want": w, "host_budget": None} for w in args.want]
+            for w in res["want"]:
+                if w["host_budget"] is None:
+                    why = ("the record has no host-time figures (a CPU run)" if rec.get("host") is None else
+                           "no host budget under the whole step buys it")
+                    print(f"  for {100 * w['want']:.0f} % of the full set: {why}")
+                else:
+                    print(f"  for {100 * w['want']:.0f} % of the full set: MCORE_OFFLOAD_AUTO_HOST_BUDGET="
+                          f"{w['host_budget']:.3f} ({w['budget_x']:.2f}x; {100 * w['share_of_full']:.0f} % at "
+                          f"{w['host_pct_of_step']:.1f} % of the step modelled)")
     if not out:
         print("no rank with an auto_record in these files: run with --offload-modules auto (session 70 on)")
         return 1

@@ -93,3 +93,28 @@ def test_the_replay_gives_the_full_set_and_what_each_budget_buys_of_it(tmp_path,
     assert json.loads((tmp_path / "r.json").read_text())[0]["budgets"][1]["share_of_full"] == 1.0
     js.write_text(json.dumps({"ranks": [{"rank": 0}]}))
     assert auto_replay.main([str(js)]) == 1
+
+
+def test_the_replay_names_the_host_budget_that_buys_a_share_of_the_full_set(tmp_path, capsys):
+    """``--want``: the smallest MCORE_OFFLOAD_AUTO_HOST_BUDGET whose replayed plan reaches each share."""
+    profiles, host, trace = _inputs()
+    rec = to_record(profiles, host, 50.0, None, trace, choose(profiles, 50.0, None, host, trace=trace))
+    everything = auto_replay.budget_for(rec, 1.0)
+    half = auto_replay.budget_for(rec, 0.5)
+    assert everything["share_of_full"] == 1.0 and 0.5 <= half["share_of_full"] < 1.0
+    assert half["host_budget"] < everything["host_budget"]
+    # the budget found is the smallest of the search grid that buys it: one step down buys less
+    k = auto_replay.SEARCH_MULTIPLIERS.index(half["budget_x"])
+    below = auto_replay.replay(rec, [auto_replay.SEARCH_MULTIPLIERS[k - 1]])["budgets"][0]
+    assert below["share_of_full"] < 0.5
+    # the host budget as the variable takes it: the recorded share times the multiplier
+    assert half["host_budget"] == pytest.approx(host.budget_share * half["budget_x"])
+    assert half["host_pct_of_step"] <= 100 * half["host_budget"] + 1e-9
+    js = tmp_path / "run.json"
+    js.write_text(json.dumps({"ranks": [{"rank": 0, "auto_record": rec}]}))
+    assert auto_replay.main([str(js), "--budgets", "1", "--want", "0.5", "1.0"]) == 0
+    text = capsys.readouterr().out
+    assert f"for 50 % of the full set: MCORE_OFFLOAD_AUTO_HOST_BUDGET={half['host_budget']:.3f}" in text
+    # a rank without host figures (the CPU) has no budget to name
+    cpu = to_record(profiles, None, 50.0, None, trace, choose(profiles, 50.0, None, None, trace=trace))
+    assert auto_replay.budget_for(cpu, 0.5) is None
