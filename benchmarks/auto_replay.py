@@ -46,7 +46,7 @@ def replay(rec: dict[str, Any], budgets: list[float]) -> dict[str, Any]:
     profiles, host, link, need, trace = from_record(rec)
     again = choose(profiles, link, need, host, trace=trace)
     full = full_set_saving(profiles, trace)
-    plain_ms = host.budget_ms / host.budget_share if host is not None and host.budget_share else None
+    plain_ms = _plain_ms(host)
     rows = []
     for m in budgets:
         # an infinite budget still prices each plan with the measured model, and never turns a unit away
@@ -65,27 +65,36 @@ def replay(rec: dict[str, Any], budgets: list[float]) -> dict[str, Any]:
             "budget_ms": None if host is None else host.budget_ms, "budgets": rows}
 
 
-#: The budget multipliers :func:`budget_for` tries: 1/8x to 64x the recorded budget, each 10 % above the last.
+#: The budget multipliers :func:`budgets_for` tries: 1/8x to 64x the recorded budget, each 10 % above the last.
 SEARCH_MULTIPLIERS = tuple(0.125 * 1.1**k for k in range(int(math.log(512) / math.log(1.1)) + 2))
 
 
-def budget_for(rec: dict[str, Any], want: float) -> dict[str, Any] | None:
-    """The smallest host-time budget (as ``MCORE_OFFLOAD_AUTO_HOST_BUDGET``, a share of the plain step) whose plan
-    takes at least ``want`` of the full set's saving, from one rank's record; None where no share under 1 does."""
+def budgets_for(rec: dict[str, Any], wants: list[float]) -> list[dict[str, Any] | None]:
+    """For each share in ``wants``: the smallest host-time budget (as ``MCORE_OFFLOAD_AUTO_HOST_BUDGET``, a share of
+    the plain step) whose plan takes at least that share of the full set's saving, from one rank's record; None
+    where no share under 1 does."""
     profiles, host, link, need, trace = from_record(rec)
     full = full_set_saving(profiles, trace)
+    found: list[dict[str, Any] | None] = [None] * len(wants)
     if host is None or not full:
-        return None
+        return found
+    plain_ms = _plain_ms(host)
     for m in SEARCH_MULTIPLIERS:
         share = host.budget_share * m
-        if share >= 1.0:
+        if share >= 1.0 or all(f is not None for f in found):
             break
         plan = choose(profiles, link, need, dataclasses.replace(host, budget_ms=host.budget_ms * m), trace=trace)
-        if plan.expected_saving_bytes >= want * full:
-            return {"want": want, "host_budget": share, "budget_x": m,
-                    "share_of_full": plan.expected_saving_bytes / full,
-                    "host_pct_of_step": 100 * plan.host_ms * host.budget_share / host.budget_ms}
-    return None
+        for i, want in enumerate(wants):
+            if found[i] is None and plan.expected_saving_bytes >= want * full:
+                found[i] = {"want": want, "host_budget": share, "budget_x": m,
+                            "share_of_full": plan.expected_saving_bytes / full,
+                            "host_pct_of_step": 100 * plan.host_ms / plain_ms}
+    return found
+
+
+def _plain_ms(host: Any) -> float | None:
+    """The plain step the record's budget was a share of."""
+    return host.budget_ms / host.budget_share if host is not None and host.budget_share else None
 
 
 def _points(points: Any) -> list:
@@ -129,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
                 pct = "-" if row["host_pct_of_step"] is None else f"{row['host_pct_of_step']:.1f}"
                 print(f"  {row['budget_x']:>6}x {row['saving_bytes'] / GiB:>10.2f} {share:>8} {row['host_ms']:>8.1f} "
                       f"{pct:>7} {row['points']:>6}")
-            res["want"] = [budget_for(rec, w) or {"want": w, "host_budget": None} for w in args.want]
+            found = budgets_for(rec, args.want)
+            res["want"] = [f or {"want": w, "host_budget": None} for w, f in zip(args.want, found)]
             for w in res["want"]:
                 if w["host_budget"] is None:
                     why = ("the record has no host-time figures (a CPU run)" if rec.get("host") is None else

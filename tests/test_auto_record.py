@@ -99,8 +99,7 @@ def test_the_replay_names_the_host_budget_that_buys_a_share_of_the_full_set(tmp_
     """``--want``: the smallest MCORE_OFFLOAD_AUTO_HOST_BUDGET whose replayed plan reaches each share."""
     profiles, host, trace = _inputs()
     rec = to_record(profiles, host, 50.0, None, trace, choose(profiles, 50.0, None, host, trace=trace))
-    everything = auto_replay.budget_for(rec, 1.0)
-    half = auto_replay.budget_for(rec, 0.5)
+    half, everything = auto_replay.budgets_for(rec, [0.5, 1.0])
     assert everything["share_of_full"] == 1.0 and 0.5 <= half["share_of_full"] < 1.0
     assert half["host_budget"] < everything["host_budget"]
     # the budget found is the smallest of the search grid that buys it: one step down buys less
@@ -117,4 +116,4 @@ def test_the_replay_names_the_host_budget_that_buys_a_share_of_the_full_set(tmp_
     assert f"for 50 % of the full set: MCORE_OFFLOAD_AUTO_HOST_BUDGET={half['host_budget']:.3f}" in text
     # a rank without host figures (the CPU) has no budget to name
     cpu = to_record(profiles, None, 50.0, None, trace, choose(profiles, 50.0, None, None, trace=trace))
-    assert auto_replay.budget_for(cpu, 0.5) is None
+    assert auto_replay.budgets_for(cpu, [0.5]) == [None]
