@@ -40,9 +40,10 @@ def validate_offload_modules(modules: Sequence[str]) -> list[str]:
             f"write offload_modules=[{modules!r}]."
         )
     names = list(modules)
-    from mcore_offload.runtime.auto import parse_auto
+    from mcore_offload.runtime.auto import auto_settings, parse_auto
 
     if parse_auto(names) is not False:  # ["auto"] / ["auto:<GiB>"], checked there
+        auto_settings()  # and auto's environment variables, before anything runs
         return names
     unknown = [m for m in names if m not in OFFLOAD_MODULES]
     if unknown:

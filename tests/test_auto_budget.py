@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 
+from mcore_offload.config import validate_offload_modules
 from mcore_offload.runtime.auto import HOST_BUDGET_VARIABLE, AutoPlanner, host_budget_setting
 from mcore_offload.runtime.auto_choice import HOST_BUDGET, ChunkProfile, HostCost, choose, host_cost
 from mcore_offload.runtime.auto_record import from_record, to_record
@@ -32,6 +33,10 @@ def test_the_variable_scales_the_budget_and_a_bad_value_is_one_sentence(monkeypa
         monkeypatch.setenv(HOST_BUDGET_VARIABLE, bad)
         with pytest.raises(ValueError, match=f"{HOST_BUDGET_VARIABLE}=.* {says}"):
             AutoPlanner(None)
+        # the config's validation reads it too: the run stops when the config is made, not at its first forward
+        with pytest.raises(ValueError, match=f"{HOST_BUDGET_VARIABLE}=.* {says}"):
+            validate_offload_modules(["auto:40"])
+    validate_offload_modules(["core_attn"])  # a run without auto does not read auto's variables
 
 
 def test_a_larger_share_buys_at_least_as_much_of_the_peak():

@@ -92,6 +92,13 @@ def host_budget_setting() -> float:
     return share
 
 
+def auto_settings() -> tuple[float, bool, float]:
+    """``(outside_clock, backward_exposure, host_budget)`` from the environment, each checked: config validation calls
+    this too, so that a bad value stops the run when the config is made, not at its first forward."""
+    return (outside_clock_setting(), choice_env(BACKWARD_EXPOSURE_VARIABLE, "0", ("0", "1")) == "1",
+            host_budget_setting())
+
+
 def attention_units(config: Any) -> tuple[tuple[str, ...], ...]:
     """The units auto plans for ``config``: :data:`SPLIT_UNITS` where attn_proj alone frees memory (the rule the
     config's validation applies to an explicit list), else :data:`UNITS`."""
@@ -257,9 +264,7 @@ class AutoPlanner:
     def __init__(self, target_gib: float | None, units: tuple[tuple[str, ...], ...] = UNITS) -> None:
         self.target_gib = target_gib
         self.units = units  # UNITS or SPLIT_UNITS (attention_units)
-        self.outside_clock = outside_clock_setting()
-        self.backward_exposure = choice_env(BACKWARD_EXPOSURE_VARIABLE, "0", ("0", "1")) == "1"
-        self.host_budget = host_budget_setting()
+        self.outside_clock, self.backward_exposure, self.host_budget = auto_settings()
         self.steps = 0
         self.plan: Plan | None = None
         self._marks: list[ChunkMarks] = []  # the measured step's handlers
