@@ -20,30 +20,17 @@ from mcore_offload.runtime import manager as manager_module
 from mcore_offload.runtime.auto_choice import Plan
 from mcore_offload.runtime.manager import get_manager
 from mcore_offload.summary import get_summary
-from tests.test_prefetch_gaps import POINTS, NormToy
-from tests.test_runtime_unit import Toy, cfg, train_step
+from tests.test_prefetch_gaps import POINTS, NormToy, assert_bitwise_equal
+from tests.test_runtime_unit import Toy, cfg, toy_steps
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the GPU host)")]
 HIDDEN = 512
 
 
-def cuda_steps(model: torch.nn.Module, steps: int, microbatches: int = 2) -> list:
-    """Losses and gradients of ``steps`` training steps on CUDA, on the same seeded inputs every time."""
-    out = []
-    for step in range(steps):
-        model.zero_grad()
-        inputs = [torch.randn(256, HIDDEN, generator=torch.Generator().manual_seed(10 * step + i)).cuda()
-                  for i in range(microbatches)]
-        losses = train_step(model, inputs)
-        torch.cuda.synchronize()
-        out.append(([x.item() for x in losses], [p.grad.clone() for p in model.parameters()]))
-    return out
-
-
-def assert_same(base: list, got: list) -> None:
-    for (l0, g0), (l1, g1) in zip(base, got, strict=True):
-        assert l0 == l1 and all(torch.equal(a, b) for a, b in zip(g0, g1))
+def cuda_steps(model: torch.nn.Module, steps: int) -> list:
+    """:func:`toy_steps` on CUDA, with inputs as wide as the model."""
+    return toy_steps(model, steps, shape=(256, HIDDEN), device="cuda")
 
 
 @pytest.mark.parametrize("native", ["1", "0"], ids=["cpp", "python"])
@@ -59,7 +46,7 @@ def test_cuda_prefetch_crosses_a_layer_left_out_of_the_plan(monkeypatch, native,
     assert (get_manager().native is not None) == (native == "1")
     get_manager().auto.plan = Plan({(None, layer): POINTS for layer in (2, 3, 5, 6)}, 0, True, 1000.0)
     get_summary().steps.clear()
-    assert_same(base, cuda_steps(model, steps=3))
+    assert_bitwise_equal(base, cuda_steps(model, steps=3))
     for step in get_summary().steps:
         assert step.total("reloaded") == step.total("offloaded") > 0
         assert step.total("reloaded_on_demand") == 0  # layer 5's backward brought layer 3 back, across layer 4
@@ -75,7 +62,7 @@ def test_cuda_late_prefetch_reaches_the_layer_output_point_below(monkeypatch, na
     manager_module.reset()
     got = cuda_steps(NormToy(cfg("qkv_linear", "mlp_norm"), layers=4, hidden=HIDDEN).cuda(), steps=3)
     assert (get_manager().native is not None) == (native == "1")
-    assert_same(base, got)
+    assert_bitwise_equal(base, got)
     last = get_summary().last_step
     assert last.points["mlp_norm"]["reloaded"] == last.points["mlp_norm"]["offloaded"] > 0
     assert get_summary().as_dict()["reloaded_on_demand_per_step"] == [0, 0, 0]

@@ -61,14 +61,15 @@ def train_step(model, inputs):
     return losses
 
 
-def toy_steps(model, steps=2, microbatches=2, step_fn=None):
+def toy_steps(model, steps=2, microbatches=2, step_fn=None, shape=(8, 16), device=None):
     """Losses and gradients of ``steps`` training steps of the toy (``step_fn``: how a step runs its microbatches,
-    :func:`train_step` by default), on the same seeded inputs every time."""
+    :func:`train_step` by default), on the same seeded inputs every time (``shape``, made on the CPU and moved to
+    ``device``)."""
     step_fn = step_fn or train_step
     results = []
     for step in range(steps):
         model.zero_grad()
-        inputs = [torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * step + i))
+        inputs = [torch.randn(*shape, generator=torch.Generator().manual_seed(10 * step + i)).to(device)
                   for i in range(microbatches)]
         results.append((step_fn(model, inputs), [p.grad.clone() for p in model.parameters()]))
     return results
