@@ -206,8 +206,15 @@ KNOWN_DELTA_PEAK_MISSES = {
 }
 
 
+#: Session 72 ran tests/test_gpu.py's E-pp2 again on the runtime of c3d675a (2 x H200): the same layout and the
+#: same prediction as session 64's, with session 59's reload lifetime and sessions 69-70's prefetch in the runtime.
+SESSION72_FOLDERS = (
+    ("issue5-session72/e/pt/test_parallel_layouts_equal_lo1/E-pp2", "s72", "PP=2 1F1B, predicted in session 62"),
+)
+
+
 def load_session64_measurements() -> list[Measurement]:
-    return [m for folder, source, note in SESSION64_FOLDERS
+    return [m for folder, source, note in SESSION64_FOLDERS + SESSION72_FOLDERS
             for m in load_measurements((folder,), source, note, second_look=True, skip_missing_runs=True)]
 
 
@@ -354,7 +361,7 @@ def test_session61_runs_kept_the_loss_bitwise(folder):
     assert len(rows) == 3 and all(row["loss_equal"] for row in rows)
 
 
-@pytest.mark.parametrize("folder", [folder for folder, _, _ in SESSION64_FOLDERS])
+@pytest.mark.parametrize("folder", [folder for folder, _, _ in SESSION64_FOLDERS + SESSION72_FOLDERS])
 def test_session64_runs_kept_the_loss_bitwise(folder):
     """Every offloaded run of these folders kept each step's loss of its baseline, bit for bit, on every rank."""
     rows = json.loads((RESULTS / folder / "results.json").read_text())["rows"]
