@@ -76,7 +76,12 @@ def _measure(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mcore-offload", description=__doc__)
+    # the module docstring is reST for the docs; the help shows plain words
+    parser = argparse.ArgumentParser(
+        prog="mcore-offload",
+        description="Fine-grained activation offloading for megatron-core: patch an install, project a run's "
+                    "per-rank peak memory before launching it, measure this machine's host link and GEMM rate, "
+                    "or build the C++ hooks ahead of a run.")
     sub = parser.add_subparsers(dest="command", required=True)
     patch = sub.add_parser("patch", help="apply, check, revert or show our megatron-core patches")
     patch.add_argument("action", choices=["apply", "check", "revert", "status"])
