@@ -213,7 +213,7 @@ SESSION72_FOLDERS = (
 )
 
 
-def load_session64_measurements() -> list[Measurement]:
+def load_session64_and_72_measurements() -> list[Measurement]:
     return [m for folder, source, note in SESSION64_FOLDERS + SESSION72_FOLDERS
             for m in load_measurements((folder,), source, note, second_look=True, skip_missing_runs=True)]
 
@@ -221,7 +221,7 @@ def load_session64_measurements() -> list[Measurement]:
 MEASUREMENTS = load_measurements()  # the issue-4 matrix, without the second look
 SECOND_LOOK_MEASUREMENTS = load_second_look_measurements()
 PREDICTED_MEASUREMENTS = load_predicted_measurements() + load_session61_measurements() + \
-    load_session63_measurements() + load_session64_measurements()
+    load_session63_measurements() + load_session64_and_72_measurements()
 ALL_MEASUREMENTS = MEASUREMENTS + SECOND_LOOK_MEASUREMENTS + PREDICTED_MEASUREMENTS
 
 
@@ -362,7 +362,7 @@ def test_session61_runs_kept_the_loss_bitwise(folder):
 
 
 @pytest.mark.parametrize("folder", [folder for folder, _, _ in SESSION64_FOLDERS + SESSION72_FOLDERS])
-def test_session64_runs_kept_the_loss_bitwise(folder):
+def test_session64_and_72_runs_kept_the_loss_bitwise(folder):
     """Every offloaded run of these folders kept each step's loss of its baseline, bit for bit, on every rank."""
     rows = json.loads((RESULTS / folder / "results.json").read_text())["rows"]
     assert len(rows) in (3, 6) and all(row["loss_equal"] for row in rows)
