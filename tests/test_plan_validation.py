@@ -207,7 +207,8 @@ KNOWN_DELTA_PEAK_MISSES = {
 
 
 #: Session 72 ran tests/test_gpu.py's E-pp2 again on the runtime of c3d675a (2 x H200): the same layout and the
-#: same prediction as session 64's, with session 59's reload lifetime and sessions 69-70's prefetch in the runtime.
+#: same prediction as session 64's; the runtime adds sessions 66-71's changes (session 59's reload lifetime was in
+#: both), among them sessions 69-70's prefetch fixes.
 SESSION72_FOLDERS = (
     ("issue5-session72/e/pt/test_parallel_layouts_equal_lo1/E-pp2", "s72", "PP=2 1F1B, predicted in session 62"),
 )
