@@ -104,6 +104,9 @@ def test_a_target_beyond_the_hidden_set_adds_exposed_copies():
     hidden = choose({None: prof}, 50.0)
     plan = choose({None: prof}, 50.0, need_bytes=int((hidden.expected_saving_bytes + 50_000_000) / 1.05))
     assert not plan.hidden and plan.expected_saving_bytes > hidden.expected_saving_bytes
+    # the line names what the model checked (no host budget on this plan), never a measured "hidden"
+    assert plan.describe().endswith("copies beyond the modelled link")
+    assert hidden.describe().endswith("copies within the modelled link") and "hidden" not in hidden.describe()
 
 
 QKV = ("qkv_linear",)
@@ -126,6 +129,7 @@ def test_a_launch_bound_step_gets_the_most_bytes_its_host_budget_buys_next_to_th
     assert plan.host_ms == pytest.approx(8.8) and plan.host_ms <= 10.0 and plan.hidden
     assert plan.expected_saving_bytes == 70 * MiB
     assert "host time 8.8 of 10.0 ms/step budget" in plan.describe()
+    assert "copies within the modelled link and host budget" in plan.describe()
 
 
 def test_under_pp_a_unit_that_is_back_on_the_device_at_the_traced_peak_is_never_chosen():

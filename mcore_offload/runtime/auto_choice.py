@@ -172,9 +172,12 @@ class Plan:
             + f" (exposure "
             f"{self.host.exposure:.2f}, {self.host.group_ms:.2f} ms per group with {self.host.outside_clock:.1f}x the "
             f"clock outside it, {self.host.gib_ms:.1f} ms per GiB moved)")
+        # What the model checked, not a measurement: stall_ms can be non-zero under a plan that fits (D-moe at a
+        # wide budget, session 72: reloads waiting at the chunks' backward starts), so the line names the model.
+        limits = "the modelled link" + ("" if self.host is None else " and host budget")
+        fits = f"copies {'within' if self.hidden else 'beyond'} {limits}"
         return (f"{chunks} | expected peak saving {self.expected_saving_bytes / 2**30:.2f} GiB, link "
-                f"{self.link_GBps:.1f} GB/s{host}, copies {'hidden' if self.hidden else 'partly exposed'}"
-                + (f" ({self.note})" if self.note else ""))
+                f"{self.link_GBps:.1f} GB/s{host}, {fits}" + (f" ({self.note})" if self.note else ""))
 
 
 def _finish_times(profile: ChunkProfile, chosen: dict[int, int], rate_bpms: float) -> bool:
