@@ -1,9 +1,9 @@
-"""A group's backward in C++ (``runtime/native/backward.cpp``: commit_backward, group_done, finish_release) against the
-handler's Python methods: training steps on the logging stub CUDA runtime (``benchmarks/cpu_transport_glue.py``) make
-the same CUDA calls in the same order, count the same bytes, hand the same buffers back to the pool and compute the
-same losses and gradients, bit for bit, under each prefetch mode and burst setting; and the C++ functions step aside
-(answer False, having changed nothing) where the Python methods must decide: each chunk's first group, bursts of
-several layers."""
+"""A group's backward in C++ (``runtime/native/backward.cpp``: commit_backward, group_done; ``finish_release.cpp``)
+against the handler's Python methods: training steps on the logging stub CUDA runtime
+(``benchmarks/cpu_transport_glue.py``) make the same CUDA calls in the same order, count the same bytes, hand the same
+buffers back to the pool and compute the same losses and gradients, bit for bit, under each prefetch mode and burst
+setting; and the C++ functions step aside (answer False, having changed nothing) where the Python methods must decide:
+each chunk's first group, bursts of several layers."""
 
 from __future__ import annotations
 

@@ -421,7 +421,7 @@ class ChunkOffloadHandler(SecondLook, Prefetch, HandlerBase):
             logger.debug("chunk vp=%s mb=%d finished: %d/%d groups done", self.vp_stage, self.microbatch,
                          sum(g.done for g in self.groups), len(self.groups))
         native = self.manager.native
-        if native is not None and not abort:  # the same in C++ (backward.cpp: finish_release)
+        if native is not None and not abort:  # the same in C++ (finish_release.cpp)
             native.finish_release(self, self.transport.pool if self.transport.returns_to_pool() else None)
         else:
             self._release_all(abort)

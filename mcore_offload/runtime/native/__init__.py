@@ -1,14 +1,14 @@
 """The runtime's per-tensor and per-storage steps in C++ (``hooks.cpp``: the saved-tensor hooks, with
 ``saved_ref.cpp``: what they save; ``copy_path.cpp``, ``held_checks.cpp`` and ``entry.cpp``: the copy-out;
-``copy_calls.cpp``: the transport's copy loop and reload allocations; ``bursts.cpp``: the raw transport's copy
-bursts whole, with ``pool_calls.cpp`` (the pool's common answers) and ``burst_clock.cpp`` (their phase clock);
-``reload.cpp``: the reload's bookkeeping; ``backward.cpp``: a group's backward (its reload, wait and prefetch, its
-end, the chunk's finish); ``node_hooks.cpp``: the group hooks on autograd nodes; ``points_block.cpp``: the offload
-points' forward glue; ``layer_boundary.cpp``: a layer's start; ``link_calls.cpp``: the telemetry's marks and spans,
-the done events and the reload waits; ``event_type.cpp``: the pooled events; ``summary_calls.cpp`` and
-``manager_calls.cpp``: the counters and the manager's bookkeeping those paths report to; ``member_slots.cpp``:
-attribute reads and writes straight to a slot; ``module.cpp``: the module and what they share), built on first use
-with PyTorch's extension builder, as one translation unit (:func:`unity_source`).
+``copy_calls.cpp``: the transport's copy loop and reload allocations; ``bursts.cpp``: the raw transport's copy bursts
+whole, with ``pool_calls.cpp`` (the pool's common answers) and ``burst_clock.cpp`` (their phase clock); ``reload.cpp``:
+the reload's bookkeeping; ``backward.cpp``: a group's backward (its reload, wait and prefetch, its end);
+``finish_release.cpp``: the chunk's finish; ``node_hooks.cpp``: the group hooks on autograd nodes; ``points_block.cpp``:
+the offload points' forward glue; ``layer_boundary.cpp``: a layer's start; ``link_calls.cpp``: the telemetry's marks and
+spans, the done events and the reload waits; ``event_type.cpp``: the pooled events; ``summary_calls.cpp`` and
+``manager_calls.cpp``: the counters and the manager's bookkeeping those paths report to; ``member_slots.cpp``: attribute
+reads and writes straight to a slot; ``module.cpp``: the module and what they share), built on first use with PyTorch's
+extension builder, as one translation unit (:func:`unity_source`).
 
 Why: in a launch-bound step (config A on an H100) the runtime's host time is step time, and some of its steps run once
 per saved tensor or per storage: the pack and unpack hooks (6.8 and 6.7 µs each in Python, 1,856 calls per step in
@@ -51,9 +51,9 @@ logger = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("module.cpp", "hooks.cpp", "saved_ref.cpp", "copy_path.cpp", "held_checks.cpp",
                              "copy_calls.cpp", "bursts.cpp", "pool_calls.cpp", "burst_clock.cpp", "entry.cpp",
-                             "reload.cpp", "backward.cpp", "node_hooks.cpp", "points_block.cpp", "link_calls.cpp",
-                             "summary_calls.cpp", "event_type.cpp", "layer_boundary.cpp", "manager_calls.cpp",
-                             "attr_counts.cpp", "member_slots.cpp"))
+                             "reload.cpp", "backward.cpp", "finish_release.cpp", "node_hooks.cpp", "points_block.cpp",
+                             "link_calls.cpp", "summary_calls.cpp", "event_type.cpp", "layer_boundary.cpp",
+                             "manager_calls.cpp", "attr_counts.cpp", "member_slots.cpp"))
 HEADERS = (Path(__file__).with_name("common.h"),)
 MODES = ("auto", "0", "1")
 

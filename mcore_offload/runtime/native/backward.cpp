@@ -4,10 +4,9 @@
 //                    stream's one wait (link_calls.cpp: wait_reload), the prefetch of the layer below
 //                    (handler._prefetch with one layer a burst)
 //   group_done       handler.on_group_backward_done (the late prefetch and finish are called as they are)
-//   finish_release   the body of handler.finish for a step that did not fail: host buffers back to the pool
-//                    (pool_calls.cpp: release_fast), the counts (manager_calls.cpp), every reference let go
 //
-// These run once per group (finish_release once per chunk and microbatch) on the backward's host path, where each
+// (handler.finish's release, once per chunk and microbatch, is finish_release.cpp.) These run once per group on the
+// backward's host path, where each
 // Python frame is step time in a launch-bound step (about 110 µs a group of Python in session 33's breakdown of A).
 // commit_backward and group_done answer False, having changed nothing, where the Python method must decide: the
 // chunk's first backward group (what forward left pending), a chain still open, another chunk's groups waiting to be
@@ -17,10 +16,16 @@
 #include "common.h"
 
 #include <algorithm>
-#include <unordered_set>
 #include <vector>
 
 namespace mco {
+
+// (common.h) list(seq) items of getattr(obj, name), as a fast sequence (nullptr: error)
+PyObject* attr_items(PyObject* obj, PyObject* name) {
+  Ref v(getattr_fast(obj, name));
+  return v ? PySequence_Fast(v.get(), "a list was expected") : nullptr;
+}
+
 namespace {
 
 PyObject* s_backward_started;
@@ -45,26 +50,7 @@ PyObject* s_groups_done;
 PyObject* s_late_method;
 PyObject* s_prefetch_layer_below;
 PyObject* s_finish;
-PyObject* s_opened;
-PyObject* s_storage_ref;
-PyObject* s_live;
-PyObject* s_pool;
-PyObject* s_routed_owner;
-PyObject* s_free;
-PyObject* s_release_host;
 PyObject* s_split_chains;
-
-// obj.<name> = [] (a new list, as the Python code assigns)
-int set_empty_list(PyObject* obj, PyObject* name) {
-  Ref v(PyList_New(0));
-  return v ? setattr_fast(obj, name, v.get()) : -1;
-}
-
-// list(seq) items of getattr(obj, name), as a fast sequence (nullptr: error)
-PyObject* attr_items(PyObject* obj, PyObject* name) {
-  Ref v(getattr_fast(obj, name));
-  return v ? PySequence_Fast(v.get(), "a list was expected") : nullptr;
-}
 
 enum PrefetchMode { kLayerMode, kLateMode, kTailMode, kOtherMode };
 
@@ -428,87 +414,6 @@ PyObject* module_group_done(PyObject*, PyObject* args) {
   END_HANDLE_TH_ERRORS
 }
 
-// finish_release(handler, pool): handler.finish's work after it marked the handler finished, for a step that did not
-// fail. ``pool``: the transport's HostBufferPool where its release_host is the pool's release, else None (the method
-// is called for each buffer)
-PyObject* module_finish_release(PyObject*, PyObject* args) {
-  HANDLE_TH_ERRORS
-  PyObject *handler, *pool;
-  if (!PyArg_ParseTuple(args, "OO", &handler, &pool)) return nullptr;
-  Ref transport(getattr_fast(handler, s_transport));
-  Ref manager(transport ? getattr_fast(handler, s_manager) : nullptr);
-  Ref groups(manager ? attr_items(handler, s_groups) : nullptr);
-  Ref freed(groups ? PyList_New(0) : nullptr);
-  if (!freed) return nullptr;
-  Ref free_by_class, routed_owner;
-  if (pool != Py_None) {
-    free_by_class.reset(getattr_fast(pool, s_free));
-    routed_owner.reset(free_by_class ? getattr_fast(pool, s_routed_owner) : nullptr);
-    if (!routed_owner) return nullptr;
-  }
-  // each entry once (groups that save views of one storage share its entry); the next writer of a buffer waits for
-  // the last copy that read it
-  std::unordered_set<PyObject*> seen;
-  for (Py_ssize_t g = 0; g < PySequence_Fast_GET_SIZE(groups.get()); ++g) {
-    Ref seq(attr_items(PySequence_Fast_GET_ITEM(groups.get(), g), s_entries));
-    if (!seq) return nullptr;
-    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq.get()); ++i) {
-      PyObject* e = PySequence_Fast_GET_ITEM(seq.get(), i);
-      if (seen.count(e)) continue;
-      Ref host(getattr_fast(e, s_host));
-      if (!host) return nullptr;
-      if (host.get() == Py_None) continue;
-      seen.insert(e);
-      Ref event(getattr_fast(e, s_h2d_event));
-      if (!event) return nullptr;
-      if (pool != Py_None) {
-        if (release_fast(pool, free_by_class.get(), routed_owner.get(), host.get(), event.get()) < 0) return nullptr;
-      } else {
-        Ref r(PyObject_CallMethodObjArgs(transport.get(), s_release_host, host.get(), event.get(), nullptr));
-        if (!r) return nullptr;
-      }
-      if (PyList_Append(freed.get(), e) < 0) return nullptr;
-    }
-  }
-  // manager.on_hosts_freed reads off_device before the loop below
-  if (PyList_GET_SIZE(freed.get()) > 0 && hosts_freed(manager.get(), freed.get()) < 0) return nullptr;
-  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(freed.get()); ++i) {
-    PyObject* e = PyList_GET_ITEM(freed.get(), i);
-    if (setattr_fast(e, s_host, Py_None) < 0 || setattr_fast(e, s_device_storage, Py_None) < 0)
-      return nullptr;
-  }
-  // every reference the handler holds goes (see handler.finish: autograd, not the cyclic collector, frees them)
-  Ref opened(attr_items(handler, s_opened));
-  if (!opened) return nullptr;
-  for (Py_ssize_t g = 0; g < PySequence_Fast_GET_SIZE(opened.get()); ++g) {
-    PyObject* group = PySequence_Fast_GET_ITEM(opened.get(), g);
-    Ref refs(getattr_fast(group, s_refs));
-    Ref entries(refs ? getattr_fast(group, s_entries) : nullptr);
-    if (!entries || !PyList_Check(refs.get()) || !PyList_Check(entries.get())) {
-      if (entries) PyErr_SetString(PyExc_TypeError, "group.refs and group.entries must be lists");
-      return nullptr;
-    }
-    if (PyList_SetSlice(refs.get(), 0, PY_SSIZE_T_MAX, nullptr) < 0) return nullptr;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(entries.get()); ++i) {
-      if (setattr_fast(PyList_GET_ITEM(entries.get(), i), s_storage_ref, Py_None) < 0) return nullptr;
-    }
-    if (PyList_SetSlice(entries.get(), 0, PY_SSIZE_T_MAX, nullptr) < 0) return nullptr;
-  }
-  Ref live(getattr_fast(handler, s_live));
-  if (!live || set_empty_list(handler, s_groups) < 0 || set_empty_list(handler, s_pending) < 0 ||
-      set_empty_list(handler, s_opened) < 0)
-    return nullptr;
-  if (PyDict_Check(live.get())) {
-    PyDict_Clear(live.get());
-  } else {
-    Ref r(PyObject_CallMethod(live.get(), "clear", nullptr));
-    if (!r) return nullptr;
-  }
-  if (handler_finished(manager.get(), handler) < 0) return nullptr;
-  Py_RETURN_NONE;
-  END_HANDLE_TH_ERRORS
-}
-
 }  // namespace
 
 bool backward_names_ready() {
@@ -521,10 +426,7 @@ bool backward_names_ready() {
       {&s_groups, "groups"}, {&s_kept_on_device, "kept_on_device"}, {&s_done, "done"},
       {&s_reload_bursts, "reload_bursts"}, {&s_current_group, "current_group"}, {&s_groups_done, "groups_done"},
       {&s_late_method, "_late"}, {&s_prefetch_layer_below, "_prefetch_layer_below"}, {&s_finish, "finish"},
-      {&s_opened, "opened"}, {&s_storage_ref, "storage_ref"}, {&s_live, "live"},
-      {&s_pool, "pool"},
-      {&s_routed_owner, "_routed_owner"}, {&s_free, "_free"},
-      {&s_release_host, "release_host"}, {&s_split_chains, "split_chains"}};
+      {&s_split_chains, "split_chains"}};
   return intern_names(names, sizeof(names) / sizeof(names[0]));
 }
 
@@ -533,8 +435,6 @@ PyMethodDef backward_methods[] = {
      "commit_backward(handler, group): handler.on_group_commit_backward (False: the method must run)"},
     {"group_done", module_group_done, METH_VARARGS,
      "group_done(handler, group): handler.on_group_backward_done (False: the method must run)"},
-    {"finish_release", module_finish_release, METH_VARARGS,
-     "finish_release(handler, pool): handler.finish's work for a step that did not fail"},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace mco

@@ -2,7 +2,8 @@
 // helpers below), hooks.cpp (the saved-tensor hook types), copy_path.cpp (the copy-out), copy_calls.cpp (the
 // transport's copy loop and reload allocations), bursts.cpp (the raw transport's copy bursts, with pool_calls.cpp and
 // burst_clock.cpp), entry.cpp (the copy-out's object types), reload.cpp (the reload's bookkeeping), backward.cpp (a
-// group's backward) and node_hooks.cpp (hooks on autograd nodes). See __init__.py for why and how this is built.
+// group's backward), finish_release.cpp (a chunk's release) and node_hooks.cpp (hooks on autograd nodes). See
+// __init__.py for why and how this is built.
 #pragma once
 
 #include <Python.h>
@@ -223,9 +224,13 @@ extern PyMethodDef reload_methods[];
 extern PyMethodDef burst_methods[];
 // reload.cpp: handler._reload over ``runs`` (a tuple of lists of entries; -1: error), for backward.cpp too
 int reload_runs(PyObject* handler, PyObject* runs, bool on_demand);
-// backward.cpp: commit_backward, group_done and finish_release (a group's backward); its names interned (false: error)
+// backward.cpp: commit_backward and group_done (a group's backward); its names interned (false: error)
 extern PyMethodDef backward_methods[];
 bool backward_names_ready();
+// backward.cpp: list(getattr(obj, name)) as a fast sequence (nullptr: error), for finish_release.cpp too
+PyObject* attr_items(PyObject* obj, PyObject* name);
+// finish_release.cpp: finish_release (handler.finish's release)
+extern PyMethodDef finish_methods[];
 // backward.cpp: the common case of handler.on_group_commit_backward and on_group_backward_done (1 done, 0 the Python
 // method must run, -1 error set), for the module functions and the node hooks of points_block.cpp
 int commit_backward_impl(PyObject* handler, PyObject* group);

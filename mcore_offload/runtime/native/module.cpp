@@ -314,6 +314,7 @@ PyMODINIT_FUNC MCO_CONCAT(PyInit_, TORCH_EXTENSION_NAME)(void) {
       PyModule_AddFunctions(m, copy_call_methods) < 0 || PyModule_AddFunctions(m, reload_methods) < 0 ||
       PyModule_AddFunctions(m, burst_methods) < 0 || PyModule_AddFunctions(m, burst_clock_methods) < 0 ||
       PyModule_AddFunctions(m, node_hook_methods) < 0 || PyModule_AddFunctions(m, backward_methods) < 0 ||
+      PyModule_AddFunctions(m, finish_methods) < 0 ||
       PyModule_AddFunctions(m, point_methods) < 0 || PyModule_AddFunctions(m, link_call_methods) < 0 ||
       PyModule_AddFunctions(m, layer_boundary_methods) < 0 ||
       PyModule_AddFunctions(m, attr_count_methods) < 0 || PyModule_AddFunctions(m, member_slot_methods) < 0 || !event_type_ready(m) || !point_types_ready(m) || !entry_types_ready(m) ||
