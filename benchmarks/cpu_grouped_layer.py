@@ -16,7 +16,7 @@ copy loop) over ``cpu_transport_glue.py``'s stub CUDA runtime, whose calls retur
 runtime's host time on the GPU's code path less the CUDA calls themselves (needs a C compiler):
 
     python benchmarks/cpu_grouped_layer.py [--pattern attention] [--pairs 400] [--experts 16] [--paused | --hooks-only]
-        [--stub-cuda] [--json-out FILE]
+        [--stub-cuda] [--evict-mib MIB] [--json-out FILE]
 """
 
 from __future__ import annotations
@@ -72,11 +72,32 @@ class _Attention(torch.autograd.Function):
         return grad, grad, grad
 
 
+class _Evict(torch.autograd.Function):
+    """Identity whose forward and backward first write a buffer (``--evict-mib``): the caches the next layer's points
+    find are as cold as after a real layer's work, in the offloading and the plain step alike."""
+
+    @staticmethod
+    def forward(ctx, x, buf):
+        buf.add_(1)
+        ctx.buf = buf
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.buf.add_(1)
+        return grad, None
+
+
+def evicting(x: torch.Tensor, buf: torch.Tensor | None) -> torch.Tensor:
+    return x if buf is None else _Evict.apply(x, buf)
+
+
 class AttentionChunk(torch.nn.Module):
     def __init__(self, layers: int, width: int) -> None:
         super().__init__()
         self.qkv = torch.nn.Parameter(torch.randn(width, 3 * width) / width)
         self.layers = layers
+        self.evict: torch.Tensor | None = None  # --evict-mib's buffer
 
     def forward(self, x: torch.Tensor, config: SimpleNamespace) -> torch.Tensor:
         points.begin_chunk(config, None, self)
@@ -86,6 +107,7 @@ class AttentionChunk(torch.nn.Module):
         return x
 
     def layer(self, x: torch.Tensor, config: SimpleNamespace) -> torch.Tensor:
+        x = evicting(x, self.evict)
         points.layer_boundary(config)
         qkv = x @ self.qkv
         with points.offload("core_attn", config, qkv) as h:
@@ -102,6 +124,7 @@ class AttentionSetChunk(AttentionChunk):
         self.proj = torch.nn.Parameter(torch.randn(width, width) / width)
 
     def layer(self, x: torch.Tensor, config: SimpleNamespace) -> torch.Tensor:
+        x = evicting(x, self.evict)
         points.layer_boundary(config)
         with points.offload("qkv_linear", config, x) as h:
             qkv = h @ self.qkv
@@ -188,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
                         "hooks run and nothing is moved, as issue5_host.sh's hooks_only variant on the GPU host")
     p.add_argument("--stub-cuda", action="store_true",
                    help="the GPU's transport over a stub CUDA runtime (see the module docstring)")
+    p.add_argument("--evict-mib", type=float, default=0.0,
+                   help="attention patterns: write a buffer of this many MiB at each layer's start in forward and "
+                        "backward, in both steps of a pair, so that the points run on caches as cold as a real "
+                        "layer leaves them (0: off)")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -197,6 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.stub_cuda:
         install_stub_transport()
     model, x, modules = build_pattern(args.pattern, args.layers, args.experts)
+    if args.evict_mib:
+        if not isinstance(model, AttentionChunk):
+            raise SystemExit("--evict-mib needs --pattern attention or attention-set")
+        model.evict = torch.zeros(int(args.evict_mib * 2**20) // 4, dtype=torch.float32)
 
     def step(cfg: SimpleNamespace) -> float:
         t0 = time.perf_counter()
@@ -208,7 +239,11 @@ def main(argv: list[str] | None = None) -> int:
     warmup = max(args.pairs // 20, 1)
     diffs = []
     for i in range(args.pairs + warmup):
-        d = step(on) - step(off)
+        if i % 2:  # the plain step first in every other pair: a step's cost can depend on what ran just before it
+            t_off = step(off)
+            d = step(on) - t_off
+        else:
+            d = step(on) - step(off)
         if i >= warmup:
             diffs.append(d)
         if (i + 1) % 100 == 0:
@@ -229,8 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     per = statistics.median(diffs) * 1e6 / (args.layers * args.microbatches)
     transport = type(transport_for(torch.device("cpu"))).__name__  # what made the last step's copies
     mode = " (paused)" if args.paused else " (hooks only)" if args.hooks_only else ""
-    logger.info("added per layer and microbatch%s: median %.1f us (%d pairs, pattern %s, %d experts%s)", mode, per,
-                args.pairs, args.pattern, args.experts, ", stub CUDA transport" if args.stub_cuda else "")
+    evict = f", {args.evict_mib:g} MiB written a layer" if args.evict_mib else ""
+    logger.info("added per layer and microbatch%s: median %.1f us (%d pairs, pattern %s, %d experts%s%s)", mode, per,
+                args.pairs, args.pattern, args.experts, ", stub CUDA transport" if args.stub_cuda else "", evict)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"added_us_per_layer_microbatch": per, "transport": transport,
                                                    **vars(args)}, indent=1))

@@ -255,6 +255,33 @@ def test_cpu_grouped_layer_measures_an_offloading_step(tmp_path):
     assert json.loads(out.read_text())["hooks_only"] is True and "(hooks only)" in proc.stderr
 
 
+def test_cpu_grouped_layer_evict_writes_its_buffer_at_each_layer_in_forward_and_backward(tmp_path):
+    """--evict-mib: every layer's forward and backward write the buffer once (the points then find caches as cold as a
+    real layer leaves them), the gradient passes unchanged, and the grouped pattern refuses the option."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from cpu_grouped_layer import build_pattern, points_config
+
+    model, x, _ = build_pattern("attention", 3, 4)
+    model.evict = torch.zeros(16)
+    plain, _, _ = build_pattern("attention", 3, 4)
+    plain.qkv = model.qkv
+    off = points_config(["core_attn"], False)
+    model(x, off).sum().backward()
+    grad = x.grad.clone()
+    x.grad = None
+    plain(x, off).sum().backward()
+    assert torch.equal(model.evict, torch.full((16,), 6.0)) and torch.equal(x.grad, grad)
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_grouped_layer.py"), "--pairs", "2",
+                           "--layers", "2", "--evict-mib", "0.5"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "--evict-mib needs --pattern attention" in proc.stderr
+    out = tmp_path / "evict.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_grouped_layer.py"), "--pairs", "4",
+                           "--layers", "2", "--pattern", "attention", "--hooks-only", "--evict-mib", "0.5",
+                           "--json-out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(out.read_text())["evict_mib"] == 0.5 and "0.5 MiB written a layer" in proc.stderr
+
+
 def test_cpu_points_glue_times_both_glues_in_one_process(tmp_path):
     """cpu_points_glue.py: runs of the C++ and the Python glue alternate; both figures and their paired difference."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
