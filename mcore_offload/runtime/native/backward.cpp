@@ -22,7 +22,7 @@ namespace mco {
 
 // (common.h) list(seq) items of getattr(obj, name), as a fast sequence (nullptr: error)
 PyObject* attr_items(PyObject* obj, PyObject* name) {
-  Ref v(getattr_fast(obj, name));
+  Ref v(get_attr(obj, name));  // get_attr: finish_release.cpp passes MCO_NAME names, nullptr where interning failed
   return v ? PySequence_Fast(v.get(), "a list was expected") : nullptr;
 }
 

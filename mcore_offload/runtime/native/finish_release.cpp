@@ -17,7 +17,7 @@ namespace {
 // obj.<name> = [] (a new list, as the Python code assigns)
 int set_empty_list(PyObject* obj, PyObject* name) {
   Ref v(PyList_New(0));
-  return v ? setattr_fast(obj, name, v.get()) : -1;
+  return v ? set_attr(obj, name, v.get()) : -1;
 }
 
 // finish_release(handler, pool): handler.finish's work after it marked the handler finished, for a step that did not
@@ -27,15 +27,15 @@ PyObject* module_finish_release(PyObject*, PyObject* args) {
   HANDLE_TH_ERRORS
   PyObject *handler, *pool;
   if (!PyArg_ParseTuple(args, "OO", &handler, &pool)) return nullptr;
-  Ref transport(getattr_fast(handler, MCO_NAME("transport")));
-  Ref manager(transport ? getattr_fast(handler, MCO_NAME("manager")) : nullptr);
+  Ref transport(get_attr(handler, MCO_NAME("transport")));
+  Ref manager(transport ? get_attr(handler, MCO_NAME("manager")) : nullptr);
   Ref groups(manager ? attr_items(handler, MCO_NAME("groups")) : nullptr);
   Ref freed(groups ? PyList_New(0) : nullptr);
   if (!freed) return nullptr;
   Ref free_by_class, routed_owner;
   if (pool != Py_None) {
-    free_by_class.reset(getattr_fast(pool, MCO_NAME("_free")));
-    routed_owner.reset(free_by_class ? getattr_fast(pool, MCO_NAME("_routed_owner")) : nullptr);
+    free_by_class.reset(get_attr(pool, MCO_NAME("_free")));
+    routed_owner.reset(free_by_class ? get_attr(pool, MCO_NAME("_routed_owner")) : nullptr);
     if (!routed_owner) return nullptr;
   }
   // each entry once (groups that save views of one storage share its entry); the next writer of a buffer waits for
@@ -56,7 +56,7 @@ PyObject* module_finish_release(PyObject*, PyObject* args) {
       if (pool != Py_None) {
         if (release_fast(pool, free_by_class.get(), routed_owner.get(), host.get(), event.get()) < 0) return nullptr;
       } else {
-        Ref r(PyObject_CallMethodObjArgs(transport.get(), MCO_NAME("release_host"), host.get(), event.get(), nullptr));
+        Ref r(call_method(transport.get(), MCO_NAME("release_host"), {host.get(), event.get()}));
         if (!r) return nullptr;
       }
       if (PyList_Append(freed.get(), e) < 0) return nullptr;
@@ -75,18 +75,18 @@ PyObject* module_finish_release(PyObject*, PyObject* args) {
   for (Py_ssize_t g = 0; g < PySequence_Fast_GET_SIZE(opened.get()); ++g) {
     PyObject* group = PySequence_Fast_GET_ITEM(opened.get(), g);
     Ref refs(getattr_fast(group, s_refs));
-    Ref entries(refs ? getattr_fast(group, MCO_NAME("entries")) : nullptr);
+    Ref entries(refs ? get_attr(group, MCO_NAME("entries")) : nullptr);
     if (!entries || !PyList_Check(refs.get()) || !PyList_Check(entries.get())) {
       if (entries) PyErr_SetString(PyExc_TypeError, "group.refs and group.entries must be lists");
       return nullptr;
     }
     if (PyList_SetSlice(refs.get(), 0, PY_SSIZE_T_MAX, nullptr) < 0) return nullptr;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(entries.get()); ++i) {
-      if (setattr_fast(PyList_GET_ITEM(entries.get(), i), MCO_NAME("storage_ref"), Py_None) < 0) return nullptr;
+      if (set_attr(PyList_GET_ITEM(entries.get(), i), MCO_NAME("storage_ref"), Py_None) < 0) return nullptr;
     }
     if (PyList_SetSlice(entries.get(), 0, PY_SSIZE_T_MAX, nullptr) < 0) return nullptr;
   }
-  Ref live(getattr_fast(handler, MCO_NAME("live")));
+  Ref live(get_attr(handler, MCO_NAME("live")));
   if (!live || set_empty_list(handler, MCO_NAME("groups")) < 0 || set_empty_list(handler, MCO_NAME("pending")) < 0 ||
       set_empty_list(handler, MCO_NAME("opened")) < 0)
     return nullptr;
