@@ -6,8 +6,8 @@
 //   group_done       handler.on_group_backward_done (the late prefetch and finish are called as they are)
 //
 // (handler.finish's release, once per chunk and microbatch, is finish_release.cpp.) These run once per group on the
-// backward's host path, where each
-// Python frame is step time in a launch-bound step (about 110 µs a group of Python in session 33's breakdown of A).
+// backward's host path, where each Python frame is step time in a launch-bound step (about 110 µs a group of Python
+// in session 33's breakdown of A).
 // commit_backward and group_done answer False, having changed nothing, where the Python method must decide: the
 // chunk's first backward group (what forward left pending), a chain still open, another chunk's groups waiting to be
 // flushed, the auto probe's clock marks, reload bursts of several layers. tests/test_native_backward.py runs training
