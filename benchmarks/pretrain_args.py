@@ -141,6 +141,12 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
       help="with --dma-load-mib: copy at each chunk's last layer too (by default it is left out, as the runtime "
            "keeps a chunk's last layer on the device where the chunk's backward comes before any flush; under "
            "pipelining that is rare: on D-dense's rank 0 ours moves every layer of every chunk)")
+    a("--evict-core-attn-mib", type=float, default=0.0, metavar="N",
+      help="in every step, write N MiB of host memory at each core attention's start and linear_proj's start and "
+           "at the two matching moments of backward (benchmarks/cache_evict.py): whether the points' cost is what "
+           "they evict from the core's caches; JSON 'cache_evict'")
+    a("--core-attn-spin-us", type=float, default=0.0, metavar="U",
+      help="--evict-core-attn-mib's control: spin U us at the same moments, writing nothing; JSON 'cache_evict'")
     a("--time-syncs", action="store_true",
       help="host time blocked in Tensor.cpu/.item/.tolist of CUDA tensors and in Event/Stream.synchronize per step "
            "(benchmarks/sync_wait.py); JSON 'sync_wait'")
@@ -156,6 +162,8 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     a("--json-out", default=None, help="write every rank's results here (rank 0)")
     a("--label", default="", help="free text stored in the JSON")
     args = p.parse_args(argv)
+    if args.evict_core_attn_mib and args.core_attn_spin_us:
+        p.error("--evict-core-attn-mib and --core-attn-spin-us are two kinds of the same probe: give one")
     if sum(map(bool, (args.alternate_offload, args.host_delay_us, args.dma_load_mib, args.alternate_runtime))) > 1:
         p.error("--alternate-offload, --alternate-runtime, --host-delay-us and --dma-load-mib each alternate steps "
                 "themselves: use one of them per run")

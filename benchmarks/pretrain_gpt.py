@@ -206,6 +206,12 @@ def main(argv=None) -> int:
 
         side_load = DmaLoad(*args.dma_load_mib, device)
         side_load.install(chunks, skip_last=not args.dma_load_every_layer)
+    evictor = None  # --evict-core-attn-mib / --core-attn-spin-us: the same work around core attention in every step
+    if args.evict_core_attn_mib or args.core_attn_spin_us:
+        from cache_evict import CoreAttnEvict
+
+        evictor = CoreAttnEvict(args.evict_core_attn_mib, args.core_attn_spin_us)
+        evictor.install(chunks)
     syncs = None
     if args.time_syncs:
         from sync_wait import SyncWait
@@ -411,6 +417,8 @@ def main(argv=None) -> int:
         row["node_hooks"] = get_manager().node_hooks  # what the runtime used (False: --without-node-hooks)
     elif args.fine_grained_activation_offloading:
         row.update(native_accounting())
+    if evictor is not None:
+        row["cache_evict"] = evictor.as_dict(len(step_ms))
     if syncs is not None:
         syncs.uninstall()
         row["sync_wait"] = syncs.as_dict(on_steps if alternate else None, args.warmup_steps)

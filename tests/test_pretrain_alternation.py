@@ -230,3 +230,22 @@ def test_without_node_hooks_sends_the_points_to_plain_identities(monkeypatch):
     t = object()
     assert points._start(t, Handler(), "g") is t
     assert points._commit_node(t, Handler(), "g") is t and queued == ["g"]
+
+
+@pytest.mark.multiproc
+def test_pretrain_gpt_core_attn_eviction_runs_in_every_step_and_keeps_the_loss(tmp_path):
+    common = ["--train-iters", "4", "--warmup-steps", "1"]
+    base, ours = tiny_base_and_ours(tmp_path, 29641, common, ["core_attn", "--alternate-offload",
+                                                              "--evict-core-attn-mib", "1"])
+    assert ours["loss_hex"] == base["loss_hex"]
+    ev = ours["cache_evict"]
+    # the tiny model: 4 layers x 2 microbatches, two moments each way a layer-microbatch, offloaded and plain steps
+    assert ev["attention_modules"] == 4 and ev["fwd_calls_per_step"] == 16 and ev["bwd_calls_per_step"] == 16
+    assert ev["mib"] == 1.0 and ev["spin_us"] == 0 and ev["evict_us_mean"] > 0
+    spin = tiny_run(tmp_path / "spin.json", 29641, [*common, "--core-attn-spin-us", "50"])
+    assert spin["loss_hex"] == base["loss_hex"]
+    assert spin["cache_evict"]["spin_us"] == 50 and spin["cache_evict"]["evict_us_mean"] >= 50
+    assert spin["cache_evict"]["bwd_calls_per_step"] == 16
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pretrain_gpt.py"), "--evict-core-attn-mib", "1",
+                           "--core-attn-spin-us", "5"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "two kinds of the same probe" in proc.stderr
