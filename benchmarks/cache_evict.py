@@ -19,9 +19,10 @@ the GIL) at four moments of every layer-microbatch, in offloaded and plain steps
 
 So the model code after each point starts on caches as cold with the points as without them. If the account holds,
 the points' paired cost under eviction falls toward their own host time (about a third of it, session 74); if it
-stays where it was, the points' cost is their own work and not what they evict. A node runs its pre-hooks in the
-order they were registered, ours (C++ or Python) included, which is what puts the backward evictions after the
-points' hooks.
+stays where it was, the points' cost is their own work and not what they evict. PyTorch runs a node's C++
+pre-hooks in the order they were added and its Python pre-hooks together, at the place of the first Python one:
+the evictions (Python, added after ours) run after the points' C++ hooks unless a Python pre-hook sat on that node
+before ours (tests/test_cache_evict.py).
 
 ``--core-attn-spin-us U`` is the control: at the same four moments it spins U µs (set U to what a write took, the
 JSON's ``evict_us_mean``) and writes nothing. It adds the same host time to every step without cooling the caches:
