@@ -37,6 +37,7 @@ from time import perf_counter_ns
 from typing import Any
 
 import torch
+from host_delay import spin
 
 
 class CoreAttnEvict:
@@ -58,12 +59,10 @@ class CoreAttnEvict:
     def evict(self) -> None:
         t0 = perf_counter_ns()
         if self.spin_ns:
-            while perf_counter_ns() - t0 < self.spin_ns:
-                pass
-            self.ns += perf_counter_ns() - t0
-            return
-        self._value = (self._value + 1) & 0xFF  # a new value each time: every line is written, not skipped
-        ctypes.memset(self.address, self._value, self.nbytes)
+            spin(self.spin_ns / 1000)
+        else:
+            self._value = (self._value + 1) & 0xFF  # a new value each time: every line is written, not skipped
+            ctypes.memset(self.address, self._value, self.nbytes)
         self.ns += perf_counter_ns() - t0
 
     def install(self, chunks: list[torch.nn.Module]) -> int:
@@ -87,7 +86,7 @@ class CoreAttnEvict:
         self.evict()
         first = args[0] if args else None
         node = getattr(first, "grad_fn", None)
-        if node is not None:  # registered after the point's own hook on this node, so it runs after it
+        if node is not None:  # after the point's own hook on this node (the module docstring says when it runs)
             node.register_prehook(self._at_backward)
 
     def _at_backward(self, grad_outputs: Any) -> None:
