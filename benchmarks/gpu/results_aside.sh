@@ -19,8 +19,8 @@ set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 cd "$root"
 # the setup, run and perf-run scripts of the GPU calls; the D-dense designs' run_call.sh (sessions 55, 75) and session
-# 78's runtime A/B (ab_call.sh); the census run
-keep=" issue5-session25 issue5-session30 issue5-session44 issue5-session55 issue5-dd-design-session75 issue5-session78 planner-census-session56 planner-fused-paths-session57 d2h-in-flight-session58 "
+# 78's runtime A/B (ab_call.sh), session 79's chunk-cost call (chunk_call.sh); the census run
+keep=" issue5-session25 issue5-session30 issue5-session44 issue5-session55 issue5-dd-design-session75 issue5-session78 issue5-session79 planner-census-session56 planner-fused-paths-session57 d2h-in-flight-session58 "
 case "${1:-}" in
   aside)
     [ ! -e .gpu/aside ] || { echo ".gpu/aside exists: run 'bash $0 back' first" >&2; exit 1; }
