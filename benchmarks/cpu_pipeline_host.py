@@ -10,7 +10,7 @@ and, with ``--breakdown``, the inclusive time of each runtime function (``runtim
 their own cost, and it times the Python points' glue, so read its rows against each other, not against the clock):
 
     python benchmarks/cpu_pipeline_host.py [--layers 16] [--microbatches 8] [--steps 12] [--breakdown]
-        [--points qkv_linear core_attn attn_proj] [--paired] [--min-size N] [--python-glue]
+        [--layouts pp1 pp2 pp2vpp2] [--points qkv_linear core_attn attn_proj] [--paired] [--min-size N] [--python-glue]
         [--without pack-hooks node-hooks] [--json-out FILE]
 
 ``--paired`` runs each measured offloaded step next to one inside ``mcore_offload.paused()`` and prints the step time
@@ -40,8 +40,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 logger = logging.getLogger("cpu_pipeline_host")
 
-#: layout name -> (pipeline size, virtual pipeline size or None)
-LAYOUTS = {"pp1": (1, None), "pp2vpp2": (2, 2)}
+#: layout name -> (pipeline size, virtual pipeline size or None); ``pp2`` (opt-in: ``--layouts pp2 pp2vpp2``) has the
+#: same layer-microbatches per rank as ``pp2vpp2`` and half its chunk-microbatches (session 79's E-pp2 against D-dense)
+LAYOUTS = {"pp1": (1, None), "pp2": (2, None), "pp2vpp2": (2, 2)}
 
 
 def stub_gpt(lib: str, world_size: int, rank: int, vpp: int | None, points: list[str], min_size: int, layers: int,
@@ -190,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--points", nargs="+", default=["qkv_linear", "core_attn", "attn_proj"])
-    p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    p.add_argument("--layouts", nargs="+", default=["pp1", "pp2vpp2"], choices=list(LAYOUTS))
     p.add_argument("--breakdown", action="store_true", help="time each runtime function (runtime_breakdown.py)")
     p.add_argument("--min-size", type=int, default=512,
                    help="min_offloaded_tensor_size (elements); above every activation, the points and hooks run and "

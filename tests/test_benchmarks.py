@@ -380,23 +380,24 @@ def test_cpu_node_hooks_times_both_registrations(tmp_path):
     assert set(json.loads(out.read_text())["us_per_hook"]) == {"python", "cpp"}
 
 
-def test_cpu_pipeline_host_clocks_both_layouts_and_counts_each_chunks_forward(tmp_path):
-    """cpu_pipeline_host.py: the runtime's clock and breakdown at PP=1 (one process) and PP=2 x VPP=2 (two)."""
+def test_cpu_pipeline_host_clocks_each_layout_and_counts_each_chunks_forward(tmp_path):
+    """cpu_pipeline_host.py: the runtime's clock and breakdown at PP=1 (one process), PP=2 and PP=2 x VPP=2 (two)."""
     _need_stub_compiler()
     out = tmp_path / "pipe.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_pipeline_host.py"), "--layers", "4",
                            "--microbatches", "2", "--warmup", "1", "--steps", "2", "--breakdown",
-                           "--json-out", str(out)], capture_output=True, text=True, timeout=300)
+                           "--layouts", "pp1", "pp2", "pp2vpp2", "--json-out", str(out)],
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     layouts = json.loads(out.read_text())["layouts"]
-    assert [len(layouts["pp1"]), len(layouts["pp2vpp2"])] == [1, 2]
+    assert [len(layouts[k]) for k in ("pp1", "pp2", "pp2vpp2")] == [1, 2, 2]
     for ranks in layouts.values():
         assert all(len(r["runtime_ms"]) == 2 and min(r["runtime_ms"]) > 0 and r["offloaded_bytes"] > 0
                    for r in ranks)
-    # a chunk's forward ends once per chunk and microbatch: 1 x 2 at PP=1, 2 x 2 on each rank at VPP=2
+    # a chunk's forward ends once per chunk and microbatch: 1 x 2 at PP=1 and on each rank at PP=2, 2 x 2 at VPP=2
     calls = [ranks[0]["breakdown"]["functions"]["OffloadManager.end_chunk"]["calls_per_step"]
              for ranks in layouts.values()]
-    assert calls == [2.0, 4.0]
+    assert calls == [2.0, 2.0, 4.0]
     assert "us a layer-mb" in proc.stderr
 
 
