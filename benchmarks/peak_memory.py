@@ -75,12 +75,18 @@ CONFIGS: dict[str, Config] = {
     "D-moe": Config(f"{MOE_C} {PP1} --num-microbatches 8 --pipeline-model-parallel-size 2 "
                     "--virtual-pipeline-model-parallel-size 2", [EXPERTS, ATTN + EXPERTS], nproc=2,
                     description="C's model at PP=2 x VPP=2, 8 microbatches, 2 GPUs"),
-    # Issue-6 layouts (compatibility): loss equality and lower peaks with TP+SP, EP (alltoall), PP x VPP x TP.
+    # Issue-6 layouts (compatibility): loss equality and lower peaks with TP+SP (dense and MoE), EP (alltoall),
+    # PP x VPP x TP.
     "E-tp2sp": Config(f"{DENSE_A} {PP1} --num-microbatches 4 --tensor-model-parallel-size 2 --sequence-parallel",
                       [["core_attn"], ATTN], nproc=2, description="A's model at TP=2 with sequence parallel, 2 GPUs"),
     "E-pp2": Config(f"{DENSE_A} {PP1} --num-microbatches 8 --pipeline-model-parallel-size 2",
                     [["core_attn"], ATTN], nproc=2,
                     description="A's model at PP=2 without VPP (plain 1F1B), 8 microbatches, 2 GPUs"),
+    # MoE under TP needs sequence parallel (megatron-core refuses it otherwise); the experts are TP-sharded too
+    # (expert_tensor_parallel_size defaults to TP) and tokens go through the allgather dispatcher
+    "E-tp2moe": Config(f"{MOE_C} {PP1} --num-microbatches 4 --tensor-model-parallel-size 2 --sequence-parallel",
+                       [EXPERTS, ATTN + EXPERTS], nproc=2,
+                       description="C's model at TP=2 with sequence parallel (allgather dispatcher), 2 GPUs"),
     "E-ep2": Config(f"{MOE_C} {PP1} --num-microbatches 4 --expert-model-parallel-size 2 "
                     "--moe-token-dispatcher-type alltoall", [EXPERTS, ATTN + EXPERTS], nproc=2,
                     description="C's model at EP=2 (alltoall dispatcher), 2 GPUs"),

@@ -351,7 +351,10 @@ def test_block_full_recompute_of_the_first_layers_equal_loss_and_the_planners_by
         assert got.get("qkv_linear", 0) == projected.get("qkv_linear", 0), (got, projected)
 
 
-@pytest.mark.parametrize(("config", "nproc"), [("E-tp2sp", 2), ("E-ep2", 2), ("E-pp2", 2), ("E-pp2vpp2tp2", 4)])
+@pytest.mark.parametrize(("config", "nproc"), [("E-tp2sp", 2), ("E-tp2moe", 2), ("E-ep2", 2), ("E-pp2", 2),
+                                                ("E-pp2vpp2tp2", 4)])
 def test_parallel_layouts_equal_loss_and_every_rank_lower(tmp_path, config, nproc):
-    sets = ["expert_fc1+moe_act"] if config == "E-ep2" else ["core_attn", "qkv_linear+core_attn+attn_proj"]
+    sets = {"E-ep2": ["expert_fc1+moe_act"],
+            "E-tp2moe": ["expert_fc1+moe_act", "qkv_linear+core_attn+attn_proj+expert_fc1+moe_act"]}.get(
+        config, ["core_attn", "qkv_linear+core_attn+attn_proj"])
     peak_memory(tmp_path, config, sets, nproc=nproc)
