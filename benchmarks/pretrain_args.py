@@ -42,6 +42,9 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     a("--rope-fusion", action="store_true", help="TE's fused RoPE (apply_rope_fusion; Megatron-LM's default)")
     a("--fused-single-qkv-rope", action="store_true", help="one fused kernel splits the QKV output and rotates q, k")
     a("--moe-permute-fusion", action="store_true", help="TE's fused MoE token (un)permutation")
+    a("--no-moe-grouped-gemm", action="store_true",
+      help="TE spec: the experts as a SequentialMLP of TE linears, as Megatron-LM builds them without "
+           "--moe-grouped-gemm (this script's TE default is TEGroupedMLP)")
     a("--recompute-granularity", default=None, choices=["full", "selective"])
     a("--recompute-modules", nargs="*", default=None)
     a("--recompute-method", default=None, choices=["uniform", "block"], help="with --recompute-granularity full")
@@ -164,6 +167,9 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     args = p.parse_args(argv)
     if args.evict_core_attn_mib and args.core_attn_spin_us:
         p.error("--evict-core-attn-mib and --core-attn-spin-us are two kinds of the same probe: give one")
+    if args.no_moe_grouped_gemm and not (args.num_experts and args.transformer_impl == "transformer_engine"):
+        p.error("--no-moe-grouped-gemm chooses the experts' module of the TE spec: add --num-experts N "
+                "(the local spec always uses SequentialMLP)")
     if sum(map(bool, (args.alternate_offload, args.host_delay_us, args.dma_load_mib, args.alternate_runtime))) > 1:
         p.error("--alternate-offload, --alternate-runtime, --host-delay-us and --dma-load-mib each alternate steps "
                 "themselves: use one of them per run")

@@ -50,7 +50,7 @@ def build_config(args):
     if args.num_experts:
         kw.update(num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
                   moe_ffn_hidden_size=args.moe_ffn_hidden_size or args.ffn_hidden_size,
-                  moe_grouped_gemm=te, moe_aux_loss_coeff=1e-2,
+                  moe_grouped_gemm=te and not args.no_moe_grouped_gemm, moe_aux_loss_coeff=1e-2,
                   moe_token_dispatcher_type=args.moe_token_dispatcher_type
                   or ("alltoall" if torch.cuda.is_available() else "allgather"))
         if args.moe_permute_fusion:
@@ -69,7 +69,8 @@ def build_model(args, config) -> list[torch.nn.Module]:
 
     if args.transformer_impl == "transformer_engine":
         spec = specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=args.num_experts, moe_grouped_gemm=bool(args.num_experts))
+            num_experts=args.num_experts,
+            moe_grouped_gemm=bool(args.num_experts) and not args.no_moe_grouped_gemm)
     else:
         spec = specs.get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False)
     vpp = args.virtual_pipeline_model_parallel_size

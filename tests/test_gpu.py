@@ -351,6 +351,24 @@ def test_block_full_recompute_of_the_first_layers_equal_loss_and_the_planners_by
         assert got.get("qkv_linear", 0) == projected.get("qkv_linear", 0), (got, projected)
 
 
+@pytest.mark.parametrize(("config", "extra", "sets", "points"), [
+    # the local spec: the norms stand alone (torch's), so attn_norm and mlp_norm move their inputs; core attention is
+    # megatron-core's unfused DotProductAttention, which does not save its output, so attn_proj moves its own input
+    ("A", "--transformer-impl local", ["attn_norm", "mlp_norm", DENSE_POINTS], DENSE_POINTS.split("+")),
+    # Megatron-LM's MoE experts without --moe-grouped-gemm: a SequentialMLP of TE linears, one MLP per local expert.
+    # expert_fc1 is not asserted: each expert's input is a slice of one permuted storage, which the coverage rule
+    # (runtime/saved.py) may keep on the device; the run's JSON says what it moved
+    ("C", "--no-moe-grouped-gemm", ["expert_fc1+moe_act", "qkv_linear+core_attn+attn_proj+mlp_norm+expert_fc1+moe_act"],
+     ["qkv_linear", "core_attn", "mlp_norm", "moe_act"]),
+], ids=["local-spec-dense", "te-sequential-experts"])
+def test_other_module_kinds_equal_loss_lower_peak_and_each_point_moves_bytes(tmp_path, config, extra, sets, points):
+    """Module kinds the benchmark configurations do not build, at 4 layers: loss equal, every set's peak lower, no
+    pinned allocation after the first step (``peak_memory``), and every named point of the widest set moving bytes."""
+    rows = peak_memory(tmp_path, config, sets, f"{SMALL} {extra}")
+    every = rows[-1]["offloaded_bytes_by_point"]
+    assert all(every.get(p, 0) > 0 for p in points), every
+
+
 @pytest.mark.parametrize(("config", "nproc"), [("E-tp2sp", 2), ("E-tp2moe", 2), ("E-ep2", 2), ("E-pp2", 2),
                                                 ("E-pp2vpp2tp2", 4)])
 def test_parallel_layouts_equal_loss_and_every_rank_lower(tmp_path, config, nproc):
