@@ -15,12 +15,18 @@ import logging
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from time import perf_counter_ns
 from typing import Any
 
 from mcore_offload.runtime.peak_trace import PeakTrace
 from mcore_offload.runtime.telemetry import StepLink
 
 logger = logging.getLogger(__name__)
+
+# warn_if_copies_exposed: a stall above this share of the step and this many ms says the copies are not hidden (D-moe's
+# 12-43 ms of a 900 ms step, which did not move its step time, stays under it)
+EXPOSED_STALL_SHARE = 0.1
+EXPOSED_STALL_MIN_MS = 10.0
 
 COUNTERS = (
     "offloaded",
@@ -46,6 +52,9 @@ class StepRecord:
     runtime_cpu_ms: float = 0.0  # host time spent inside mcore-offload's hooks during this step
     # GPU-timed link figures, filled in once the step's events are complete (usually at the next step's end)
     link: StepLink | None = None
+    # host time from the previous recorded step's end to this one's (None for the first): what the stall is compared
+    # with (in runs that pause offloading between steps it spans more than one step, so the share reads low)
+    host_step_ms: float | None = None
 
     def total(self, counter: str) -> int:
         return sum(c[counter] for c in self.points.values())
@@ -81,6 +90,8 @@ class OffloadSummary:
     # the C++ paths' part of it (a native RuntimeClock, set by the manager where the C++ runtime is loaded): an int64
     # the hooks add to without a Python int per call; runtime_total_ns() adds the two
     native_clock: Any = None
+    _closed_at_ns: int | None = None  # perf_counter_ns() at the last close_step
+    exposed_copies_warned: bool = False  # warn_if_copies_exposed says it once per rank
 
     def runtime_total_ns(self) -> int:
         """Host time inside the runtime's hooks since the last closed step, Python's and C++'s."""
@@ -174,8 +185,11 @@ class OffloadSummary:
         transports = live_transports()
         points = {k: dict(v) for k, v in self._current.items()}
         allocations = sum(t.pool.allocations for t in transports)
+        now = perf_counter_ns()
         record = StepRecord(len(self.steps), aborted, points, allocations - self._allocations_seen,
-                            runtime_cpu_ms=self.runtime_total_ns() / 1e6)
+                            runtime_cpu_ms=self.runtime_total_ns() / 1e6,
+                            host_step_ms=None if self._closed_at_ns is None else (now - self._closed_at_ns) / 1e6)
+        self._closed_at_ns = now
         self.steps.append(record)
         self._allocations_seen = allocations
         self._current = _new_points()
@@ -202,6 +216,23 @@ class OffloadSummary:
                         "offload step %d: stall %s ms, D2H %s GB/s (%.1f MiB), H2D %s GB/s (%.1f MiB), "
                         "runtime host time %.2f ms", step, _fmt(link.stall_ms), _fmt(link.d2h_GBps),
                         link.d2h_bytes / 2**20, _fmt(link.h2d_GBps), link.h2d_bytes / 2**20, rec.runtime_cpu_ms)
+                    self.warn_if_copies_exposed(rec)
+
+    def warn_if_copies_exposed(self, rec: StepRecord) -> bool:
+        """Once per rank: a warning where the compute stream waited on the copies for over a tenth of the step (and
+        over 10 ms), i.e. the offloaded bytes do not fit under the compute that should hide them. True if it warned."""
+        link = rec.link
+        if self.exposed_copies_warned or link is None or link.stall_ms is None or not rec.host_step_ms:
+            return False
+        if link.stall_ms <= max(EXPOSED_STALL_MIN_MS, EXPOSED_STALL_SHARE * rec.host_step_ms):
+            return False
+        self.exposed_copies_warned = True
+        logger.warning(
+            "offload step %d: the compute stream waited %.0f ms on the copies, %.0f %% of the step, so the link cannot "
+            "move these %.0f MiB out and back under this step's compute: offload fewer points (the largest per point "
+            "are in the summary table) or let offload_modules=['auto'] choose", rec.step, link.stall_ms,
+            100 * link.stall_ms / rec.host_step_ms, max(link.d2h_bytes, link.h2d_bytes) / 2**20)
+        return True
 
     def link_series(self) -> dict[str, list]:
         """Per step: stall_ms, d2h_GBps, h2d_GBps, runtime_cpu_ms (None where not measured)."""

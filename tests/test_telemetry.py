@@ -141,3 +141,39 @@ def test_a_bad_sampling_setting_is_one_clear_sentence(monkeypatch):
     for step in range(6):
         assert tel.timing
         tel.end_step(step)
+
+
+def test_copies_the_step_cannot_hide_are_warned_about_once_per_rank(caplog):
+    """A stall over a tenth of the step (and over 10 ms) says the link cannot hide the bytes: one warning that says
+    what to do; a stall like D-moe's (43 ms of a 900 ms step), a first step with no interval, and later steps are
+    quiet."""
+    from mcore_offload.runtime.telemetry import StepLink
+    from mcore_offload.summary import OffloadSummary, StepRecord
+
+    summary = OffloadSummary()
+
+    def step(n, stall, host_ms):
+        return StepRecord(n, False, {}, host_step_ms=host_ms,
+                          link=StepLink(stall_ms=stall, d2h_bytes=19712 * 2**20, h2d_bytes=19712 * 2**20))
+
+    with caplog.at_level("WARNING", logger="mcore_offload.summary"):
+        assert not summary.warn_if_copies_exposed(step(0, 507.0, None))  # no interval before the first step
+        assert not summary.warn_if_copies_exposed(step(1, 43.0, 893.0))
+        assert not summary.warn_if_copies_exposed(step(2, 9.0, 50.0))  # a large share, but under 10 ms
+        assert summary.warn_if_copies_exposed(step(3, 612.0, 812.0))
+        assert not summary.warn_if_copies_exposed(step(4, 612.0, 812.0))
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == ["offload step 3: the compute stream waited 612 ms on the copies, 75 % of the step, so the "
+                        "link cannot move these 19712 MiB out and back under this step's compute: offload fewer "
+                        "points (the largest per point are in the summary table) or let offload_modules=['auto'] "
+                        "choose"]
+
+
+def test_each_recorded_step_carries_the_host_time_since_the_previous_one():
+    from mcore_offload.summary import OffloadSummary
+
+    summary = OffloadSummary()
+    summary.close_step()
+    summary.close_step()
+    first, second = summary.steps
+    assert first.host_step_ms is None and second.host_step_ms is not None and second.host_step_ms >= 0

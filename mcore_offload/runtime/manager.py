@@ -183,6 +183,7 @@ class OffloadManager:
         target = parse_auto(config.offload_modules)
         if target is not False and self.auto is None:
             self.auto = AutoPlanner(target, attention_units(config))
+            self.summary.exposed_copies_warned = True  # its probes run the full set on purpose; its plan line speaks
         found = self._protected.get(model)
         if found is None or (found[2] < PROTECTED_WALKS and found[3] != self._step_serial):
             # Walking every parameter costs about a millisecond on a large chunk, and storages are fixed once
