@@ -13,11 +13,14 @@ reload burst (``reload_layers``, ``MCORE_OFFLOAD_RELOAD_LAYERS``), and when back
 chain's first point reloads in a part of its own (``split_chains``, ``MCORE_OFFLOAD_SPLIT_CHAINS``: ``1`` or ``0``),
 and whether
 the offload points' forward glue is the C++ one (``native_points``, ``on`` or ``off``; ``MCORE_OFFLOAD_NATIVE_POINTS``:
-each step's hooks are registered and run within it). Benchmark tooling only: the library never imports it.
+each step's hooks are registered and run within it), and how many copy-out bursts may be in flight
+(``d2h_in_flight``, ``MCORE_OFFLOAD_D2H_IN_FLIGHT``: ``0`` for no bound; the transports read it at every burst, and a
+step's end leaves none in flight either way). Benchmark tooling only: the library never imports it.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 from typing import Any
 
@@ -25,11 +28,16 @@ from typing import Any
 #: positive whole number of layers, else the words allowed
 SWITCHABLE: dict[str, tuple[str, ...] | None] = {"flush_layers": None, "reload_layers": None,
                                                  "prefetch": ("layer", "tail", "late"), "native_points": ("on", "off"),
-                                                 "split_chains": ("1", "0")}
+                                                 "split_chains": ("1", "0"), "d2h_in_flight": ("0", "1", "2", "4")}
 
 
 def _get(manager: Any, key: str) -> int | str:
     """The manager's setting ``key`` in this module's words (``native_points`` holds the C++ module or None)."""
+    if key == "d2h_in_flight":
+        from mcore_offload.runtime.transport import d2h_in_flight_from_env, live_transports
+
+        made = live_transports()
+        return str(made[0].d2h_in_flight if made else d2h_in_flight_from_env())
     value = getattr(manager, key)
     if key == "split_chains":
         return "1" if value else "0"
@@ -37,6 +45,14 @@ def _get(manager: Any, key: str) -> int | str:
 
 
 def _set(manager: Any, key: str, value: int | str) -> None:
+    if key == "d2h_in_flight":
+        # the transports made so far, and (through the variable they read when made) any made later
+        from mcore_offload.runtime.transport import D2H_IN_FLIGHT_VARIABLE, live_transports
+
+        os.environ[D2H_IN_FLIGHT_VARIABLE] = str(value)
+        for t in live_transports():
+            t.d2h_in_flight = int(value)
+        return
     if key == "native_points":
         if value == "on" and manager.native is None:
             raise SystemExit("--alternate-runtime native_points=on needs the C++ hooks: they did not load here "

@@ -114,3 +114,31 @@ def test_the_runtime_switch_turns_the_split_off_and_on_between_steps(monkeypatch
     assert switch.held == [{"split_chains": "0"}, {"split_chains": "1"}, {"split_chains": "0"}]
     with pytest.raises(ValueError, match="split_chains must be one of 1, 0"):
         parse_settings(["split_chains=on"])
+
+
+def test_the_runtime_switch_bounds_the_copy_out_bursts_in_flight_between_steps(monkeypatch):
+    """benchmarks/runtime_switch.py ``d2h_in_flight``: the bound of MCORE_OFFLOAD_D2H_IN_FLIGHT set on every transport
+    made so far, and in the variable for those made later; the runtime's own value back in the other steps."""
+    from types import SimpleNamespace
+
+    from mcore_offload.runtime import transport as transport_module
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from runtime_switch import RuntimeSwitch, parse_settings
+
+    manager_module.reset()
+    # set here so that the switch's own setting of the variable is undone after the test
+    monkeypatch.setenv(transport_module.D2H_IN_FLIGHT_VARIABLE, "0")
+    made = SimpleNamespace(d2h_in_flight=0)
+    monkeypatch.setattr(transport_module, "_TRANSPORTS", {"cuda:0": made})
+    switch = RuntimeSwitch(parse_settings(["d2h_in_flight=1"]))
+    held, env = [], []
+    for under_test in (True, False, True):
+        switch.start_step(under_test)
+        held.append(made.d2h_in_flight)
+        env.append(transport_module.d2h_in_flight_from_env())
+        switch.end_step()
+    assert held == env == [1, 0, 1]
+    assert switch.held == [{"d2h_in_flight": "1"}, {"d2h_in_flight": "0"}, {"d2h_in_flight": "1"}]
+    with pytest.raises(ValueError, match="d2h_in_flight must be one of 0, 1, 2, 4"):
+        parse_settings(["d2h_in_flight=3"])
