@@ -23,9 +23,11 @@ from mcore_offload.runtime.telemetry import StepLink
 
 logger = logging.getLogger(__name__)
 
-# warn_if_copies_exposed: a stall above this share of the step and this many ms says the copies are not hidden (D-moe's
-# 12-43 ms of a 900 ms step, which did not move its step time, stays under it)
-EXPOSED_STALL_SHARE = 0.1
+# warn_if_copies_exposed: a stall above this share of the step and this many ms says the copies are not hidden. In a
+# launch-bound step the GPU waits for the host anyway, so a stall costs less than its length: D-moe's 115 ms of a
+# 944 ms step under MCORE_OFFLOAD_D2H_IN_FLIGHT=1 cost about +2 % (session 80) and stays under it; the local spec's
+# core_attn, 612 ms of 812, is over it
+EXPOSED_STALL_SHARE = 0.25
 EXPOSED_STALL_MIN_MS = 10.0
 
 COUNTERS = (
@@ -219,7 +221,7 @@ class OffloadSummary:
                     self.warn_if_copies_exposed(rec)
 
     def warn_if_copies_exposed(self, rec: StepRecord) -> bool:
-        """Once per rank: a warning where the compute stream waited on the copies for over a tenth of the step (and
+        """Once per rank: a warning where the compute stream waited on the copies for over a quarter of the step (and
         over 10 ms), i.e. the offloaded bytes do not fit under the compute that should hide them. True if it warned."""
         link = rec.link
         if self.exposed_copies_warned or link is None or link.stall_ms is None or not rec.host_step_ms:
