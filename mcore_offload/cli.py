@@ -107,7 +107,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        if args.command != "plan":
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        if not args.ignore_unknown_args:
+            parser.error(f"plan: unrecognized arguments: {' '.join(unknown)}; the planner reads model, layout and "
+                         "training flags only: drop the others, or add --ignore-unknown-args to plan from a whole "
+                         "Megatron-LM command line")
+        args.ignored_args = unknown
     try:
         return args.func(args)
     except tooling.PatchError as exc:

@@ -333,12 +333,36 @@ def test_memory_target_drives_the_recommendation():
     (["--preset", "llama3-8b", "--pipeline-model-parallel-size", "4", "--recompute-granularity", "full",
       "--recompute-method", "block", "--recompute-num-layers", "8", "--offload-modules", "core_attn"],
      r"nothing to offload when full recompute covers every layer .*recompute_method='block'"),
+    (["--preset", "llama3-8b", "--context-parallel-size", "2"], r"context parallelism is not modelled"),
+    (["--preset", "llama3-8b", "--recompute-activations", "--recompute-granularity", "full"],
+     r"--recompute-activations means --recompute-granularity selective, which contradicts"),
 ])
 def test_bad_input_is_one_clear_sentence(argv, message, capsys):
     assert main(["plan", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("mcore-offload plan: ") and "\n" not in err and err.endswith(".")
     assert re.search(message, err), err
+
+
+def test_a_whole_megatron_lm_command_line_needs_ignore_unknown_args_and_the_skipped_flags_are_listed(capsys):
+    """Flags the planner does not read are refused in one sentence that names them and the way out; with
+    --ignore-unknown-args they are skipped and listed. Megatron-LM's --recompute-activations, --moe-grouped-gemm and
+    --context-parallel-size 1 are read."""
+    megatron = ["--use-distributed-optimizer", "--lr", "1e-4", "--data-path", "/data/x"]
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "--preset", "llama3-8b", *megatron])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith("unrecognized arguments: --use-distributed-optimizer --lr 1e-4 --data-path /data/x; the "
+                        "planner reads model, layout and training flags only: drop the others, or add "
+                        "--ignore-unknown-args to plan from a whole Megatron-LM command line")
+    assert main(["plan", "--preset", "llama3-8b", "--ignore-unknown-args", *megatron, "--recompute-activations",
+                 "--moe-grouped-gemm", "--context-parallel-size", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "skipped --use-distributed-optimizer --lr 1e-4 --data-path /data/x (not read by the planner)" in out
+    assert "recompute selective core_attn" in out  # --recompute-activations, as Megatron-LM reads it
+    with pytest.raises(SystemExit):  # the other commands keep argparse's own refusal
+        main(["patch", "status", "--ignore-unknown-args"])
 
 
 def test_moe_layer_freq_parsing():

@@ -83,6 +83,8 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fp8-recipe", choices=FP8_RECIPES, default="delayed",
                    help="with --fp8-format; the planner models delayed scaling")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="Megatron-LM's shortcut for --recompute-granularity selective")
     g.add_argument("--recompute-modules", nargs="*", default=[])
     g.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
                    help="with --recompute-granularity full: uniform checkpoints every layer, block the first "
@@ -94,6 +96,10 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--deterministic-mode", action="store_true",
                    help="torch deterministic algorithms: MoE layers keep their expert output for unpermute's backward")
     g.add_argument("--moe-permute-fusion", action="store_true", help="TE's fused MoE (un)permutation")
+    g.add_argument("--moe-grouped-gemm", action="store_true",
+                   help="accepted: the experts' saved bytes are modelled as one storage either way; without grouped "
+                        "GEMM an expert that gets few tokens may stay under --min-offloaded-tensor-size (session 80)")
+    g.add_argument("--context-parallel-size", type=int, default=1, help="only 1: context parallelism is not modelled")
     g.add_argument("--no-rope-fusion", dest="rope_fusion", action="store_false",
                    help="unfused RoPE: every layer keeps its cos and sin")
     g.add_argument("--no-masked-softmax-fusion", dest="masked_softmax_fusion", action="store_false",
@@ -117,6 +123,9 @@ def _output_flags(p: argparse.ArgumentParser) -> None:
                    help="transfer time allowed to stay exposed, percent of compute (default 2)")
     g.add_argument("--json", metavar="PATH", default=None, help="also write the plan as JSON")
     g.add_argument("--png", metavar="PATH", default=None, help="also write a bar chart (needs matplotlib)")
+    g.add_argument("--ignore-unknown-args", action="store_true",
+                   help="plan from a whole Megatron-LM command line: flags the planner does not read (optimizer, "
+                        "data, logging) are skipped and listed in the notes")
 
 
 def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -203,12 +212,21 @@ def config_from_args(args: argparse.Namespace) -> tuple[PlanConfig, list[str]]:
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         decoder_first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
         decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers)
+    if args.context_parallel_size != 1:
+        raise PlanError(f"--context-parallel-size {args.context_parallel_size}: context parallelism is not modelled, "
+                        "so this plan would be wrong; plan without it (--context-parallel-size 1).")
+    granularity = args.recompute_granularity
+    if args.recompute_activations:
+        if granularity not in (None, "selective"):
+            raise PlanError(f"--recompute-activations means --recompute-granularity selective, which contradicts "
+                            f"--recompute-granularity {granularity}; pass only one of them.")
+        granularity = "selective"
     m, note = _microbatches(args, layout)
     # Presets are bf16 models; without a preset Megatron-LM's default (fp32) applies.
     dtype = "fp16" if args.fp16 else "bf16" if args.bf16 or args.preset else "fp32"
     training = TrainingSpec(seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, num_microbatches=m,
                             dtype=dtype, transformer_impl=args.transformer_impl,
-                            recompute_granularity=args.recompute_granularity,
+                            recompute_granularity=granularity,
                             recompute_modules=tuple(args.recompute_modules),
                             recompute_method=args.recompute_method,
                             recompute_num_layers=args.recompute_num_layers,
@@ -225,6 +243,9 @@ def config_from_args(args: argparse.Namespace) -> tuple[PlanConfig, list[str]]:
                         "the default is 2.")
     config = PlanConfig(model, layout, training, hw, args.memory_target_gib, args.max_exposed_percent / 100)
     notes = [note] if note else []
+    ignored = getattr(args, "ignored_args", None)  # set by mcore_offload.cli under --ignore-unknown-args
+    if ignored:
+        notes.append(f"--ignore-unknown-args: skipped {' '.join(ignored)} (not read by the planner)")
     if training.fp8 and args.tflops is None:
         notes.append("--fp8-format: layer times use the bf16 GEMM rate, and FP8 GEMMs run faster, so less compute "
                      "hides the copies than shown; pass --tflops with your FP8 rate for the cautious estimate")
