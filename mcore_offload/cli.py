@@ -115,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.ignore_unknown_args:
             parser.error(f"plan: unrecognized arguments: {' '.join(unknown)}; the planner reads model, layout and "
                          "training flags only: drop the others, or add --ignore-unknown-args to plan from a whole "
-                         "Megatron-LM command line")
+                         "Megatron-LM command line.")
         args.ignored_args = unknown
     try:
         return args.func(args)

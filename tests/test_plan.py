@@ -355,7 +355,7 @@ def test_a_whole_megatron_lm_command_line_needs_ignore_unknown_args_and_the_skip
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.endswith("unrecognized arguments: --use-distributed-optimizer --lr 1e-4 --data-path /data/x; the "
                         "planner reads model, layout and training flags only: drop the others, or add "
-                        "--ignore-unknown-args to plan from a whole Megatron-LM command line")
+                        "--ignore-unknown-args to plan from a whole Megatron-LM command line.")
     assert main(["plan", "--preset", "llama3-8b", "--ignore-unknown-args", *megatron, "--recompute-activations",
                  "--moe-grouped-gemm", "--context-parallel-size", "1"]) == 0
     out = capsys.readouterr().out
