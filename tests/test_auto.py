@@ -90,6 +90,9 @@ def test_groups_kept_on_the_device_stay_in_the_plan_so_that_backward_prefetches_
     prof.kept = {(3, CA)}  # the last layer: its backward starts the reload of layer 2
     plan = choose({None: prof}, link_GBps=1000.0)
     assert plan.points[(None, 3)] == frozenset(CA) and plan.expected_saving_bytes == 2 * 10 * MiB
+    # the plan line says nothing of layer 3 moves (on the local spec, session 80, its core_attn read as offloaded)
+    assert plan.kept == {(None, 3)}
+    assert "L2:" in plan.describe() and "L3(kept on the device):" in plan.describe()
 
 
 def test_an_unreachable_target_offloads_everything_and_says_so():

@@ -156,6 +156,9 @@ class Plan:
     note: str = ""
     host: HostCost | None = None  # the host-time model the choice used (None: host time not counted)
     host_ms: float = 0.0  # exposed host time per step the chosen units are expected to cost
+    # (chunk, layer) whose units are in ``points`` only because they stay on the device (the chunk turns around there):
+    # nothing of theirs moves, and the plan line says so
+    kept: frozenset[tuple[Any, int]] = frozenset()
 
     def enabled(self, vp_stage: Any, layer: int, point: str) -> bool:
         return point in self.points.get((vp_stage, layer), ())
@@ -164,7 +167,8 @@ class Plan:
         by_chunk: dict[Any, list[str]] = defaultdict(list)
         for (vp, layer), pts in sorted(self.points.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
             if pts:
-                by_chunk[vp].append(f"L{layer}:{'+'.join(sorted(pts))}")
+                where = f"L{layer}(kept on the device)" if (vp, layer) in self.kept else f"L{layer}"
+                by_chunk[vp].append(f"{where}:{'+'.join(sorted(pts))}")
         chunks = "; ".join(f"chunk {vp}: {' '.join(v)}" for vp, v in by_chunk.items()) or "nothing"
         host = "" if self.host is None else (
             f", host time {self.host_ms:.1f} of {self.host.budget_ms:.1f} ms/step budget"
@@ -316,9 +320,10 @@ def choose(profiles: dict[Any, ChunkProfile], link_GBps: float, need_bytes: int 
     points: dict[tuple[Any, int], set[str]] = defaultdict(set)
     for _, vp, layer, unit in picked:
         points[(vp, layer)].update(unit)
+    moved = set(points)
     if picked:
         for vp, p in profiles.items():
             for layer, unit in p.kept:
                 points[(vp, layer)].update(unit)
     return Plan({k: frozenset(v) for k, v in points.items()}, saving(picked), hidden, link_GBps, note, host,
-                _host_ms(host, picked, profiles))
+                _host_ms(host, picked, profiles), frozenset(points.keys() - moved))
