@@ -136,3 +136,57 @@ def test_local_spec_bytes_exact_and_peak_an_upper_bound(plain, offloaded):
     assert compared.delta_peak[0] > 3 * measured_delta > 0
     assert row["offload"]["off_device_at_peak_bytes"] == 0
     assert row["loss_hex"] == base["loss_hex"]
+
+
+SEQUENTIAL = ROOT / "benchmarks" / "results" / "session80-module-kinds" / "seq" / "results.tgz"
+
+
+def _sequential_runs() -> dict[str, dict]:
+    """The JSON of each run in session 80's SequentialMLP folder (a tarball, read in place), by offload set."""
+    import tarfile
+
+    with tarfile.open(SEQUENTIAL) as tar:
+        return {m.name.rsplit("__", 1)[1].removesuffix(".json"): json.load(tar.extractfile(m))
+                for m in tar.getmembers() if m.name.endswith(".json") and "__" in m.name}
+
+
+def test_sequential_mlp_experts_peak_and_bytes():
+    """C's model at 4 layers with Megatron-LM's SequentialMLP experts (pretrain_gpt.py --no-moe-grouped-gemm,
+    1 x H200, session 80; compared after the runs). Without offloading the projection is 0.6 % under the measured
+    peak; modelled as grouped GEMM it was 2.1 % over it (TE's four multi-stream workspaces, 128 MiB, which a
+    SequentialMLP does not take). expert_fc1 moves the permuted tokens exactly; moe_act, one fc1 output per
+    expert, is an upper bound: the experts routed under 512 rows kept theirs (726 of 768 MiB)."""
+    runs = _sequential_runs()
+    base = runs["none"]
+    measured = base["ranks"][0]["peak_bytes_step1"]
+    args = {**base["args"], "offload_modules": []}
+    sequential = _plan_of(args).ranks[0].total_bytes("none")
+    grouped = _plan_of({**args, "no_moe_grouped_gemm": False}).ranks[0].total_bytes("none")
+    assert abs(sequential - measured) / measured < 0.01
+    assert grouped - sequential == 4 * CUBLAS_WORKSPACE_BYTES and (grouped - measured) / measured > 0.02
+    for modules in ("expert_fc1+moe_act", "qkv_linear+core_attn+attn_proj+mlp_norm+expert_fc1+moe_act"):
+        run = runs[modules]
+        moved = {p: row["offloaded"] for p, row in run["ranks"][0]["offload"]["last_step"].items()}
+        projected = _plan_of(run["args"]).offloaded_per_step(modules.split("+"))[0]
+        assert moved["expert_fc1"] == projected["expert_fc1"]
+        assert 0.9 * projected["moe_act"] < moved["moe_act"] < projected["moe_act"]
+
+
+def test_sequential_mlp_experts_under_the_size_threshold_move_nothing():
+    """A fine-grained MoE (64 experts, top-2, FFN 512: 128 rows an expert under balanced routing) as a SequentialMLP:
+    each expert's fc1 output, 128 x 1024 elements, stays under the default min_offloaded_tensor_size, so moe_act
+    moves nothing and the plan says why and what would move it; as one grouped GEMM it moves the whole fc1 output,
+    as it does with a threshold under one expert's output."""
+    fine = ModelSpec(num_layers=4, hidden_size=1024, num_attention_heads=8, ffn_hidden_size=4096, swiglu=True,
+                     num_experts=64, moe_router_topk=2, moe_ffn_hidden_size=512)
+    sequential = plan_for(fine, num_microbatches=2, moe_grouped_gemm=False, offload_modules=("moe_act",))
+    point = sequential.layers["moe"].points["moe_act"]
+    assert point.offloaded_bytes == 0
+    assert "131072 elements" in point.note and "--moe-grouped-gemm" in point.note
+    assert any(w.startswith("requested moe_act moves nothing here") for w in sequential.warnings)
+    grouped = plan_for(fine, num_microbatches=2, offload_modules=("moe_act",))
+    rows = 4096 * 2
+    # the fp32 probabilities are small and stay
+    assert grouped.layers["moe"].points["moe_act"].offloaded_bytes == rows * 2 * 512 * 2
+    lowered = plan_for(fine, num_microbatches=2, moe_grouped_gemm=False, min_offloaded_tensor_size=131072)
+    assert lowered.layers["moe"].points["moe_act"].offloaded_bytes == rows * 2 * 512 * 2

@@ -455,3 +455,17 @@ def test_copied_blocks_are_let_go_in_burst_order_and_the_rest_handed_to_the_allo
     assert not t._held
     # what was still held goes to the allocator guarded by the copy stream; what was let go earlier is untouched
     assert [h.streams for ts in tensors for h in ts] == [[], ["d2h"], ["d2h"], ["d2h"]]
+
+
+def test_the_saved_nothing_line_names_the_usual_cause():
+    """A point that saved nothing offloadable is logged once with its reasons; a norm's line says the TE spec fuses
+    it, and a line with tensors under the size threshold says how to move them (a SequentialMLP's fine-grained
+    experts each save a small fc1 output of their own)."""
+    from mcore_offload.runtime.saved import saved_nothing_line
+
+    norm = saved_nothing_line("mlp_norm", {})
+    assert norm.startswith("offload point mlp_norm saved no tensor that can be offloaded here (none saved)")
+    assert "fused into the next linear" in norm and "min_offloaded_tensor_size" not in norm
+    act = saved_nothing_line("moe_act", {"under min_offloaded_tensor_size": 64, "parameter": 2})
+    assert "(2 parameter, 64 under min_offloaded_tensor_size)" in act
+    assert act.endswith("lower min_offloaded_tensor_size to offload the small ones") and "fused" not in act

@@ -82,10 +82,17 @@ class Storage:
     elements: int
     itemsize: int
     chunk_input: bool = False  # the layer input: held elsewhere in a model chunk's first layer
+    # equal storages this entry stands for (a SequentialMLP's fc1 outputs, one per local expert): the size threshold
+    # applies to each of them
+    pieces: int = 1
 
     @property
     def nbytes(self) -> int:
         return self.elements * self.itemsize
+
+    @property
+    def piece_elements(self) -> int:
+        return self.elements // self.pieces
 
 
 @dataclass(frozen=True)
@@ -139,14 +146,15 @@ class _Builder:
     points: dict[str, PointEstimate]
     notes: list[str]
 
-    def keep(self, name: str, elements: int, itemsize: int | None = None, chunk_input: bool = False) -> Storage:
-        storage = Storage(name, int(elements), itemsize or self.itemsize, chunk_input)
+    def keep(self, name: str, elements: int, itemsize: int | None = None, chunk_input: bool = False,
+             pieces: int = 1) -> Storage:
+        storage = Storage(name, int(elements), itemsize or self.itemsize, chunk_input, max(1, pieces))
         self.saved.append(storage)
         return storage
 
     def point(self, name: str, storages: tuple[Storage, ...], note: str, validated: bool) -> None:
-        moved = [s for s in storages if s.elements >= self.min_size]
-        small = [s.name for s in storages if s.elements < self.min_size]
+        moved = [s for s in storages if s.piece_elements >= self.min_size]
+        small = [s.name for s in storages if s.piece_elements < self.min_size]
         if small and moved:
             note += f"; {', '.join(small)} below min_offloaded_tensor_size, kept"
         elif small:
@@ -333,7 +341,12 @@ def _moe_mlp(b: _Builder, model: ModelSpec, layout: ParallelLayout, training: Tr
     byte = 1 if fp8 else None
     b.keep("router logits and probabilities (fp32)", 2 * tokens * model.num_experts / d, FP32)
     permuted = b.keep("permuted tokens" + (" in FP8" if fp8 else ""), rows * model.hidden_size, byte)
-    fc1 = b.keep("expert fc1 output", rows * gate * model.moe_ffn / etp)
+    # A SequentialMLP runs one MLP per local expert: the permuted tokens stay one storage (each expert's input is a
+    # split of it), but each expert's fc1 output is a storage of its own, and min_offloaded_tensor_size applies to
+    # each. Balanced routing gives every local expert rows / local experts rows.
+    local_experts = 1 if training.moe_grouped_gemm else max(1, model.num_experts // layout.ep)
+    fc1 = b.keep("expert fc1 output" + ("" if local_experts == 1 else f"s (one storage per expert, {local_experts})"),
+                 rows * gate * model.moe_ffn / etp, pieces=local_experts)
     probs = b.keep("permuted probabilities (fp32)", rows, FP32)
     measured = te and t == 1 and etp == 1 and layout.ep == 1
     if fp8:
@@ -350,7 +363,14 @@ def _moe_mlp(b: _Builder, model: ModelSpec, layout: ParallelLayout, training: Tr
         what = "expert fc1 output (the SwiGLU input)" if gate == 2 else "expert fc1 output (the activation input)"
         if fp8:  # FP8 grouped GEMMs pad each expert's rows to a multiple of 16 (0.7 % more in session 63's C run)
             what += "; FP8 pads each expert's rows a little"
-        b.point("moe_act", (fc1, probs), what, measured)
+        if local_experts > 1:
+            least = -(-training.min_offloaded_tensor_size * etp // (gate * model.moe_ffn))
+            what += f"; SequentialMLP: one storage an expert, {fc1.piece_elements} elements under balanced routing"
+            if fc1.piece_elements >= training.min_offloaded_tensor_size:
+                what += f" (an expert routed fewer than {least} rows keeps its own: an upper bound)"
+            else:
+                what += " (--moe-grouped-gemm, or a min_offloaded_tensor_size under that, would move them)"
+        b.point("moe_act", (fc1, probs), what, measured and training.moe_grouped_gemm)
     if training.deterministic and not training.moe_permute_fusion:
         b.keep("expert output (unpermute's index_add_ source)", tokens * model.moe_router_topk // d * model.hidden_size)
     if model.moe_shared_expert_intermediate_size and "shared_experts" not in recomputed:

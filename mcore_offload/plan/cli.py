@@ -96,9 +96,12 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--deterministic-mode", action="store_true",
                    help="torch deterministic algorithms: MoE layers keep their expert output for unpermute's backward")
     g.add_argument("--moe-permute-fusion", action="store_true", help="TE's fused MoE (un)permutation")
-    g.add_argument("--moe-grouped-gemm", action="store_true",
-                   help="accepted: the experts' saved bytes are modelled as one storage either way; without grouped "
-                        "GEMM an expert that gets few tokens may stay under --min-offloaded-tensor-size (session 80)")
+    g.add_argument("--moe-grouped-gemm", action="store_true", default=None,
+                   help="the experts as one grouped GEMM (presets assume it, as their public recipes pass it); "
+                        "without it, Megatron-LM's SequentialMLP: one fc1 output per expert, each under "
+                        "--min-offloaded-tensor-size on its own")
+    g.add_argument("--no-moe-grouped-gemm", dest="moe_grouped_gemm", action="store_false",
+                   help="SequentialMLP experts with a preset")
     g.add_argument("--context-parallel-size", type=int, default=1, help="only 1: context parallelism is not modelled")
     g.add_argument("--no-rope-fusion", dest="rope_fusion", action="store_false",
                    help="unfused RoPE: every layer keeps its cos and sin")
@@ -201,6 +204,11 @@ def _dropout(value: float | None, preset: str | None) -> float:
     return value
 
 
+def _grouped_gemm(value: bool | None, preset: str | None) -> bool:
+    """Megatron-LM's default is SequentialMLP experts; the presets' public recipes pass --moe-grouped-gemm."""
+    return bool(preset) if value is None else value
+
+
 def config_from_args(args: argparse.Namespace) -> tuple[PlanConfig, list[str]]:
     """The plan configuration the flags describe, plus notes about assumed values."""
     model = _model(args)
@@ -236,13 +244,18 @@ def config_from_args(args: argparse.Namespace) -> tuple[PlanConfig, list[str]]:
                             rope_fusion=args.rope_fusion, masked_softmax_fusion=args.masked_softmax_fusion,
                             hidden_dropout=_dropout(args.hidden_dropout, args.preset),
                             attention_dropout=_dropout(args.attention_dropout, args.preset),
-                            fp8_format=args.fp8_format, fp8_recipe=args.fp8_recipe)
+                            fp8_format=args.fp8_format, fp8_recipe=args.fp8_recipe,
+                            moe_grouped_gemm=_grouped_gemm(args.moe_grouped_gemm, args.preset))
     hw = _hardware(args)
     if not 0 <= args.max_exposed_percent <= 100:
         raise PlanError(f"--max-exposed-percent must lie between 0 and 100, got {args.max_exposed_percent:g}; "
                         "the default is 2.")
     config = PlanConfig(model, layout, training, hw, args.memory_target_gib, args.max_exposed_percent / 100)
     notes = [note] if note else []
+    if model.num_experts and args.moe_grouped_gemm is None:
+        notes.append("--moe-grouped-gemm " + ("assumed, as the preset's public recipe passes it (--no-moe-grouped-gemm "
+                                              "for SequentialMLP experts)" if args.preset else
+                                              "not given: the experts are Megatron-LM's SequentialMLP"))
     ignored = getattr(args, "ignored_args", None)  # set by mcore_offload.cli under --ignore-unknown-args
     if ignored:
         notes.append(f"--ignore-unknown-args: skipped {' '.join(ignored)} (not read by the planner)")

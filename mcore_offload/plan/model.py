@@ -157,6 +157,9 @@ class TrainingSpec:
     # backward keeps its whole source (scatter_add_ keeps only the indices)
     deterministic: bool = False
     moe_permute_fusion: bool = False  # --moe-permute-fusion: TE's fused (un)permute, which keeps no such source
+    # --moe-grouped-gemm: the experts as one grouped GEMM (one fc1 output for all local experts, and TE's
+    # multi-stream workspaces); without it Megatron-LM builds a SequentialMLP, one fc1 output per local expert
+    moe_grouped_gemm: bool = True
     rope_fusion: bool = True  # --no-rope-fusion: unfused RoPE keeps its cos and sin for q and k in every layer
     # --no-masked-softmax-fusion: the local spec's attention then softmaxes in PyTorch, in fp32 for 16-bit training,
     # and keeps those fp32 probabilities too

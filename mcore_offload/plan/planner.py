@@ -49,9 +49,10 @@ GIB = 2**30
 MIB = 2**20
 #: One cuBLAS workspace on sm90+ GPUs (every GPU in plan.hardware). A process takes them once from PyTorch's caching
 #: allocator: PyTorch one per (handle, stream), of which training uses two (the forward's thread and autograd's
-#: backward thread); TE one for its GEMMs; TE's grouped-GEMM experts four more (its multi-stream GEMMs; MoE layers
-#: are taken to use --moe-grouped-gemm, as every measured run did). Measured by the allocator census of
-#: benchmarks/results/planner-census-session56: 96 MiB on config A, 224 MiB on config C.
+#: backward thread); TE one for its GEMMs; TE's grouped-GEMM experts four more (its multi-stream GEMMs; not with
+#: SequentialMLP experts). Measured by the allocator census of benchmarks/results/planner-census-session56: 96 MiB on
+#: config A, 224 MiB on config C; C's model with SequentialMLP experts (session 80) peaked 128 MiB under the grouped
+#: projection without offloading.
 CUBLAS_WORKSPACE_BYTES = 32 * MIB
 TE_GROUPED_GEMM_STREAMS = 4
 ATTENTION_SET = ("qkv_linear", "core_attn", "attn_proj")
@@ -185,7 +186,8 @@ def workspace_bytes(config: PlanConfig, has_moe: bool) -> int:
     local spec, the global buffer its attention scores are computed into (micro-batch x heads/TP x seq^2) and,
     without the fused softmax, the cached causal mask (seq^2 bools)."""
     training, model, layout = config.training, config.model, config.layout
-    workspaces = 2 + (1 + (TE_GROUPED_GEMM_STREAMS if has_moe else 0) if training.te else 0)
+    grouped = has_moe and training.moe_grouped_gemm
+    workspaces = 2 + (1 + (TE_GROUPED_GEMM_STREAMS if grouped else 0) if training.te else 0)
     total = workspaces * CUBLAS_WORKSPACE_BYTES + (training.seq_length * model.head_dim * 4 if model.rope else 0)
     if not training.te:
         seq_squared = training.seq_length ** 2

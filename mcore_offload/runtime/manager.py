@@ -29,7 +29,7 @@ from mcore_offload.runtime.enabled import enabled_points_cached, in_backward, po
 from mcore_offload.runtime.handler import ChunkOffloadHandler
 from mcore_offload.runtime.host_pool import host_memory_kind
 from mcore_offload.runtime.native import load_native
-from mcore_offload.runtime.saved import Entry, Group
+from mcore_offload.runtime.saved import Entry, Group, saved_nothing_line
 from mcore_offload.runtime.side_streams import side_stream_kind
 from mcore_offload.runtime.transport import d2h_in_flight_from_env, reset_transports, settle_pools
 from mcore_offload.summary import OffloadSummary
@@ -303,13 +303,7 @@ class OffloadManager:
         """Point ``name``'s block ended without a tensor to offload (``rejected``: why its saved tensors stay)."""
         if name not in self.announced_points:
             self.announced_points.add(name)
-            why = ", ".join(f"{n} {r}" for r, n in sorted(rejected.items())) or "none saved"
-            logger.info(
-                "offload point %s saved no tensor that can be offloaded here (%s); with the "
-                "TransformerEngine spec attn_norm/mlp_norm are fused into the next linear",
-                name,
-                why,
-            )
+            logger.info("%s", saved_nothing_line(name, rejected))
 
     def close_chain(self) -> None:
         """The point a group waited for did not come in this layer: the group is queued as it is.

@@ -152,3 +152,16 @@ def held_by_other_than_many(storage: torch.UntypedStorage, refs: list[SavedRef])
         if sys.getrefcount(b) > 4:
             return True
     return False
+
+
+def saved_nothing_line(name: str, rejected: dict[str, int]) -> str:
+    """The log line for a point whose block saved nothing to offload (``rejected``: how many saved tensors stayed,
+    by reason), with the usual cause where one applies."""
+    why = ", ".join(f"{n} {r}" for r, n in sorted(rejected.items())) or "none saved"
+    line = f"offload point {name} saved no tensor that can be offloaded here ({why})"
+    if name in ("attn_norm", "mlp_norm"):
+        line += "; with the TransformerEngine spec a norm fused into the next linear saves nothing of its own"
+    if rejected.get("under min_offloaded_tensor_size"):
+        # a SequentialMLP's experts each save their own fc1 output, which fine-grained experts keep small
+        line += "; lower min_offloaded_tensor_size to offload the small ones"
+    return line

@@ -39,6 +39,11 @@ def plan_argv(args: dict) -> list[str]:
         argv += ["--fp8-format", args["fp8"], "--fp8-recipe", args.get("fp8_recipe") or "delayed"]
     if args.get("moe_permute_fusion"):
         argv.append("--moe-permute-fusion")
+    # pretrain_gpt.py: the TE spec's experts are TEGroupedMLP unless --no-moe-grouped-gemm; the local spec's a
+    # SequentialMLP
+    if args.get("num_experts"):
+        grouped = args["transformer_impl"] == "transformer_engine" and not args.get("no_moe_grouped_gemm")
+        argv.append("--moe-grouped-gemm" if grouped else "--no-moe-grouped-gemm")
     for key in ("hidden_dropout", "attention_dropout"):  # pretrain_gpt.py: 0 unless asked (no flag before s56)
         argv += [f"--{key.replace('_', '-')}", str(args.get(key) or 0.0)]
     # pretrain_gpt.py: gated_linear_unit (SwiGLU) with the TE spec, share_embeddings_and_output_weights=False
