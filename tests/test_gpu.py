@@ -374,6 +374,39 @@ def test_other_module_kinds_equal_loss_lower_peak_and_each_point_moves_bytes(tmp
         assert warned == ("local" in extra and "core_attn" in r["offload_modules"]), (r["run"], r["stall_ms"])
 
 
+#: 64 experts, top-2, FFN 512 as a SequentialMLP: 128 rows an expert under balanced routing at seq 4096, so each
+#: expert's fc1 output (128 x 1024 elements) is under the default min_offloaded_tensor_size
+FINE_SEQUENTIAL = f"{SMALL} --no-moe-grouped-gemm --num-experts 64 --moe-router-topk 2 --moe-ffn-hidden-size 512"
+
+
+@pytest.mark.parametrize("threshold", [None, 65536], ids=["default-threshold", "threshold-65536"])
+def test_fine_grained_sequential_experts_moe_act_follows_the_size_threshold(tmp_path, threshold):
+    """Fine-grained SequentialMLP experts (C's model at 4 layers, FINE_SEQUENTIAL): at the default
+    min_offloaded_tensor_size moe_act moves nothing and the log says how to move it; at 65536 it moves, at most
+    what the planner projects (an expert routed under 64 rows keeps its output). expert_fc1 moves exactly the
+    projection, and the no-offload peak is the projection's within 1 % (session 81: 5599.2 MiB projected, 0 and
+    at most 192 MiB of moe_act a step, 384 of expert_fc1, written before the run)."""
+    from tests.harness.plan_args import plan_of_run
+
+    extra = FINE_SEQUENTIAL + (f" --min-offloaded-tensor-size {threshold}" if threshold else "")
+    (r,) = peak_memory(tmp_path, "C", ["expert_fc1+moe_act"], extra)
+    run = json.loads((tmp_path / "C" / f"{r['run']}.json").read_text())
+    plan = plan_of_run(run["args"])
+    projected = plan.offloaded_per_step(r["offload_modules"])[0]
+    got = r["offloaded_bytes_by_point"]
+    assert got.get("expert_fc1", 0) == projected["expert_fc1"] > 0, (got, projected)
+    log = (tmp_path / "C" / f"{r['run']}.log").read_text()
+    if threshold is None:
+        assert projected["moe_act"] == 0 and got.get("moe_act", 0) == 0, (got, projected)
+        assert "offload point moe_act saved no tensor" in log and "lower min_offloaded_tensor_size" in log
+    else:
+        assert 0 < got.get("moe_act", 0) <= projected["moe_act"], (got, projected)
+    base = next(tmp_path.glob("C/C__baseline__*.json"))
+    measured = json.loads(base.read_text())["ranks"][0]["peak_bytes_step1"]
+    projected_peak = plan_of_run({**run["args"], "offload_modules": []}).ranks[0].total_bytes("none")
+    assert abs(projected_peak - measured) / measured < 0.01, (projected_peak, measured)
+
+
 @pytest.mark.parametrize(("config", "nproc"), [("E-tp2sp", 2), ("E-tp2moe", 2), ("E-ep2", 2), ("E-pp2", 2),
                                                 ("E-pp2vpp2tp2", 4)])
 def test_parallel_layouts_equal_loss_and_every_rank_lower(tmp_path, config, nproc):
