@@ -368,8 +368,10 @@ def _moe_mlp(b: _Builder, model: ModelSpec, layout: ParallelLayout, training: Tr
             what += f"; SequentialMLP: one storage an expert, {fc1.piece_elements} elements under balanced routing"
             if fc1.piece_elements >= training.min_offloaded_tensor_size:
                 what += f" (an expert routed fewer than {least} rows keeps its own: an upper bound)"
-            else:
-                what += " (--moe-grouped-gemm, or a min_offloaded_tensor_size under that, would move them)"
+            else:  # uneven routing still lifts the busiest experts over it (session 81: 41 MiB a step, not 0)
+                what += (f": none moves if routing is balanced, but an expert routed {least} rows or more moves its "
+                         "own (a lower bound); --moe-grouped-gemm, or a min_offloaded_tensor_size under one "
+                         "expert's output, moves them all")
         b.point("moe_act", (fc1, probs), what, measured and training.moe_grouped_gemm)
     if training.deterministic and not training.moe_permute_fusion:
         b.keep("expert output (unpermute's index_add_ source)", tokens * model.moe_router_topk // d * model.hidden_size)
