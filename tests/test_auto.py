@@ -28,7 +28,7 @@ from mcore_offload.runtime.auto_choice import (
 )
 from mcore_offload.runtime.manager import get_manager, reset
 from mcore_offload.summary import get_summary
-from tests.harness.gpt import build_dense_gpt, init_parallel, run_steps
+from tests.harness.gpt import build_dense_gpt, build_moe_gpt, init_parallel, run_steps
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
@@ -368,14 +368,15 @@ def _parallel():
     yield
 
 
-def train_auto_bitwise_equal(caplog: pytest.LogCaptureFixture) -> None:
-    """Train the tests' 3-layer GPT with offload_modules=["auto"] two steps past its probe, logging at INFO, and
-    check its losses and gradients against a run without offloading, bit for bit."""
+def train_auto_bitwise_equal(caplog: pytest.LogCaptureFixture, build=build_dense_gpt, min_size: int = 512) -> None:
+    """Train the tests' 3-layer GPT (``build``) with offload_modules=["auto"] two steps past its probe, logging at
+    INFO, and check its losses and gradients against a run without offloading, bit for bit."""
     kw = dict(n_steps=PROBE_STEPS + 2, num_microbatches=2, seq_len=16, micro_batch_size=2, lr=0.1)
-    ref = run_steps(build_dense_gpt(num_layers=3), **kw)
-    overrides = dict(fine_grained_activation_offloading=True, offload_modules=["auto"], min_offloaded_tensor_size=512)
+    ref = run_steps(build(num_layers=3), **kw)
+    overrides = dict(fine_grained_activation_offloading=True, offload_modules=["auto"],
+                     min_offloaded_tensor_size=min_size)
     with caplog.at_level(logging.INFO, logger="mcore_offload"):
-        got = run_steps(build_dense_gpt(num_layers=3, config_overrides=overrides), **kw)
+        got = run_steps(build(num_layers=3, config_overrides=overrides), **kw)
     assert got.losses == ref.losses
     for ga, gb in zip(got.grads, ref.grads, strict=True):
         assert all((ga[k] == gb[k]).all() for k in ga)
@@ -397,6 +398,22 @@ def test_auto_on_a_real_model_probes_then_offloads_its_plan_bitwise_equal(_paral
     assert plan.points[(None, 3)]  # the last layer, kept on the device, still triggers the first prefetch
     chosen = {p for pts in plan.points.values() for p in pts}
     assert {p for p, c in steps[-1].points.items() if c["offloaded"]} <= chosen
+
+
+def test_auto_on_a_sequential_mlp_moe_model_plans_the_expert_points_bitwise_equal(_parallel, caplog):
+    """The tests' MoE GPT (a SequentialMLP: every local expert opens its own expert_fc1 and moe_act points) under
+    ``auto``: the probe offloads the expert points of every expert, the plan is logged once, and the planned steps
+    stay bitwise equal and move what they offload back."""
+    train_auto_bitwise_equal(caplog, build_moe_gpt, min_size=64)
+    plan = get_manager().auto.plan
+    assert plan is not None and sum(1 for m in caplog.messages if m.startswith("offload auto plan")) == 1
+    steps = get_summary().steps
+    assert {"expert_fc1", "moe_act"} <= {p for p, c in steps[0].points.items() if c["offloaded"]}
+    chosen = {p for pts in plan.points.values() for p in pts}
+    assert {"expert_fc1", "moe_act"} <= chosen  # on CPU the "link" is a memcpy: everything fits
+    for step in steps[PROBE_STEPS:]:
+        assert step.total("offloaded") > 0
+        assert step.total("released_in_forward") == step.total("offloaded") == step.total("reloaded")
 
 
 def test_an_aborted_measured_step_is_measured_again_from_scratch():
