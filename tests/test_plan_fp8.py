@@ -70,6 +70,22 @@ def test_fp8_with_expert_fc1_is_refused_as_a_run_would_be():
     plan_for(DENSE, **FP8, offload_modules=("core_attn",))
 
 
+def test_fp8_sequential_experts_move_their_own_fp8_inputs():
+    """Without grouped GEMM (a SequentialMLP of TE linears) a run accepts expert_fc1 under FP8 (config.py refuses
+    only the grouped linear's Float8Tensor objects): each expert's linear quantizes its own input and saves it as
+    plain tensors, as the dense projections do, so expert_fc1 moves the FP8 inputs, one storage per expert, and the
+    layer keeps the same bytes as with grouped GEMM."""
+    seq = dict(FP8, moe_grouped_gemm=False)
+    grouped = layer_activations(MOE, ParallelLayout(), training(**FP8), moe=True)
+    sequential = layer_activations(MOE, ParallelLayout(), training(**seq), moe=True)
+    rows = 4096 * 4
+    assert sequential.points["expert_fc1"].offloaded_bytes == rows * 2048  # one byte an element
+    assert "quantized by its own TE linear" in sequential.points["expert_fc1"].note
+    assert sequential.total_bytes == grouped.total_bytes
+    assert sequential.points["moe_act"].offloaded_bytes == grouped.points["moe_act"].offloaded_bytes
+    plan_for(MOE, **seq, offload_modules=("expert_fc1", "moe_act"))  # not refused
+
+
 def test_cli_takes_megatron_lms_fp8_flags(capsys):
     assert main(["plan", "--preset", "llama3-8b", "--fp8-format", "hybrid", "--fp8-recipe", "delayed"]) == 0
     out = capsys.readouterr().out

@@ -340,18 +340,27 @@ def _moe_mlp(b: _Builder, model: ModelSpec, layout: ParallelLayout, training: Tr
     fp8 = training.fp8  # the grouped linears keep their inputs in FP8 (Float8Tensor objects, not offloaded)
     byte = 1 if fp8 else None
     b.keep("router logits and probabilities (fp32)", 2 * tokens * model.num_experts / d, FP32)
-    permuted = b.keep("permuted tokens" + (" in FP8" if fp8 else ""), rows * model.hidden_size, byte)
     # A SequentialMLP runs one MLP per local expert: the permuted tokens stay one storage (each expert's input is a
     # split of it), but each expert's fc1 output is a storage of its own, and min_offloaded_tensor_size applies to
-    # each. Balanced routing gives every local expert rows / local experts rows.
+    # each. Balanced routing gives every local expert rows / local experts rows. Under FP8 each expert's TE linear
+    # quantizes its own input, so the FP8 inputs are one storage per expert too.
     local_experts = 1 if training.moe_grouped_gemm else max(1, model.num_experts // layout.ep)
+    sequential_fp8 = fp8 and local_experts > 1
+    permuted = b.keep("permuted tokens" + (f" in FP8 (one storage per expert, {local_experts})" if sequential_fp8
+                                           else " in FP8" if fp8 else ""),
+                      rows * model.hidden_size, byte, pieces=local_experts if sequential_fp8 else 1)
     fc1 = b.keep("expert fc1 output" + ("" if local_experts == 1 else f"s (one storage per expert, {local_experts})"),
                  rows * gate * model.moe_ffn / etp, pieces=local_experts)
     probs = b.keep("permuted probabilities (fp32)", rows, FP32)
     measured = te and t == 1 and etp == 1 and layout.ep == 1
-    if fp8:
+    if fp8 and training.moe_grouped_gemm:
         b.nothing("expert_fc1", "refused with FP8: TE's grouped linear keeps its input as a Float8Tensor object, "
                                 "which the runtime does not offload")
+    elif sequential_fp8:  # TE's Linear saves its FP8 input as plain tensors, as the dense projections do
+        least = -(-training.min_offloaded_tensor_size // model.hidden_size)
+        b.point("expert_fc1", (permuted,), "each expert's input in FP8, quantized by its own TE linear (balanced "
+                f"routing, rows padded to a multiple of 16; an expert routed fewer than {least} rows keeps its "
+                "own)", False)
     else:
         b.point("expert_fc1", (permuted,), "permuted tokens (balanced routing)", measured)
     if "moe_act" in recomputed:

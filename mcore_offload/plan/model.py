@@ -480,7 +480,7 @@ def _validate_fp8(model: ModelSpec, training: TrainingSpec) -> None:
         raise PlanError(f"--fp8-recipe {training.fp8_recipe} is not modelled: the planner knows delayed scaling "
                         "(per-tensor scales, measured on the GPU); plan with --fp8-recipe delayed for an estimate "
                         "without the recipe's block scales.")
-    if "expert_fc1" in training.offload_modules and model.num_experts:
+    if "expert_fc1" in training.offload_modules and model.num_experts and training.moe_grouped_gemm:
         # the same refusal as mcore_offload/config.py (TE's grouped linear keeps Float8Tensor objects)
         raise PlanError("--offload-modules has expert_fc1, but with FP8 TransformerEngine's grouped GEMM saves the "
                         "experts' inputs as Float8Tensor objects, which are not offloaded; drop expert_fc1 (moe_act "
