@@ -140,6 +140,7 @@ def test_local_spec_bytes_exact_and_peak_an_upper_bound(plain, offloaded):
 
 SEQUENTIAL = ROOT / "benchmarks" / "results" / "session80-module-kinds" / "seq" / "results.tgz"
 FINE = ROOT / "benchmarks" / "results" / "session81-fine-experts" / "fine" / "results.tgz"
+FINE_FP8 = ROOT / "benchmarks" / "results" / "session81-fine-experts" / "lease2" / "results.tgz"
 
 
 def _sequential_runs(tarball=SEQUENTIAL) -> dict[str, dict]:
@@ -153,6 +154,24 @@ def _sequential_runs(tarball=SEQUENTIAL) -> dict[str, dict]:
     if tarball == SEQUENTIAL:
         return {name.rsplit("__", 1)[1]: run for name, run in runs.items()}
     return runs
+
+
+def test_fp8_sequential_experts_against_the_planner():
+    """Session 81's lease 2 (1 x H200): C's model at 4 layers, FP8 delayed scaling, SequentialMLP experts, predicted
+    before it ran. expert_fc1 (each expert's FP8 input, accepted without grouped GEMM) and moe_act both moved 96.1 %
+    of the projection (the experts routed under 512 rows kept theirs); the no-offload peak 1.0 % over it."""
+    runs = _sequential_runs(FINE_FP8)
+    base = runs["pt/test_fp8_sequential_experts_of0/C/C__baseline__mc-0.15.3__none"]
+    ours = runs["pt/test_fp8_sequential_experts_of0/C/C__ours__mc-0.15.3__expert_fc1+moe_act"]
+    assert ours["args"]["fp8"] == "hybrid" and ours["args"]["no_moe_grouped_gemm"]
+    measured = base["ranks"][0]["peak_bytes_step1"]
+    projected_peak = _plan_of({**base["args"], "offload_modules": []}).ranks[0].total_bytes("none")
+    assert 0 < (measured - projected_peak) / measured < 0.01
+    moved = {p: row["offloaded"] for p, row in ours["ranks"][0]["offload"]["last_step"].items()}
+    projected = _plan_of(ours["args"]).offloaded_per_step(["expert_fc1", "moe_act"])[0]
+    assert projected == {"expert_fc1": 384 * MIB, "moe_act": 768 * MIB}
+    for point in projected:
+        assert 0.95 * projected[point] < moved[point] < projected[point]
 
 
 def test_sequential_mlp_experts_peak_and_bytes():
