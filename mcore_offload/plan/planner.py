@@ -346,6 +346,12 @@ def _warnings(config: PlanConfig, layers: Mapping[str, LayerActivations], sets: 
             # E-ep2 (2x H200, session 64): the two ranks moved 1927 and 1657 MiB a step where this projects 1792 each
             note += "; at EP = 2 a measured run's ranks moved 7.5 % more and less than this (their sum exact)"
         out.append(note)
+        if not training.moe_grouped_gemm:
+            local = model.num_experts // layout.ep
+            # sessions 80-81 (1 x H200): 15 ms a step at 16 experts, 71-80 ms at 64, 4 layers x 4 microbatches
+            out.append(f"SequentialMLP experts (no --moe-grouped-gemm): each of the {local} local experts opens its "
+                       "own expert_fc1 and moe_act points, about 60-75 us of the runtime's host time per expert, "
+                       "layer and microbatch where they are offloaded (sessions 80-81); grouped GEMM keeps one each")
     if model.name == "deepseek-v3":
         out.append("deepseek-v3: multi-latent attention is modelled as standard attention (128 heads of 128)")
     if target is not None:
