@@ -33,7 +33,8 @@ def _header(plan: Plan) -> list[str]:
     m, lay, tr, hw = cfg.model, cfg.layout, cfg.training, cfg.hardware
     arch = f"{m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads / {m.query_groups} groups"
     if m.num_experts:
-        arch += f", {m.num_experts} experts top-{m.moe_router_topk} (moe ffn {m.moe_ffn})"
+        arch += f", {m.num_experts} experts top-{m.moe_router_topk} (moe ffn {m.moe_ffn}, " + (
+            "grouped GEMM)" if tr.moe_grouped_gemm else "SequentialMLP)")
     else:
         arch += f", ffn {m.ffn_hidden_size}"
     recompute = tr.recompute_granularity or "none"
