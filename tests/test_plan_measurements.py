@@ -143,17 +143,13 @@ FINE = ROOT / "benchmarks" / "results" / "session81-fine-experts" / "fine" / "re
 FINE_FP8 = ROOT / "benchmarks" / "results" / "session81-fine-experts" / "lease2" / "results.tgz"
 
 
-def _sequential_runs(tarball=SEQUENTIAL) -> dict[str, dict]:
-    """The JSON of each run in a GPU test's tarball (read in place), by test folder and file name (no suffix), or by
-    offload set where the tarball holds one test."""
+def _sequential_runs(tarball) -> dict[str, dict]:
+    """The JSON of each run in a GPU test's tarball (read in place), by its path there without ``.json``."""
     import tarfile
 
     with tarfile.open(tarball) as tar:
-        runs = {m.name.removesuffix(".json"): json.load(tar.extractfile(m))
+        return {m.name.removesuffix(".json"): json.load(tar.extractfile(m))
                 for m in tar.getmembers() if m.name.endswith(".json") and "__" in m.name}
-    if tarball == SEQUENTIAL:
-        return {name.rsplit("__", 1)[1]: run for name, run in runs.items()}
-    return runs
 
 
 def test_fp8_sequential_experts_against_the_planner():
@@ -180,8 +176,9 @@ def test_sequential_mlp_experts_peak_and_bytes():
     peak; modelled as grouped GEMM it was 2.1 % over it (TE's four multi-stream workspaces, 128 MiB, which a
     SequentialMLP does not take). expert_fc1 moves the permuted tokens exactly; moe_act, one fc1 output per
     expert, is an upper bound: the experts routed under 512 rows kept theirs (726 of 768 MiB)."""
-    runs = _sequential_runs()
-    base = runs["none"]
+    runs = _sequential_runs(SEQUENTIAL)
+    run_of = "pt/test_other_module_kinds_equal_0/C/C__{}__mc-0.15.3__{}".format
+    base = runs[run_of("baseline", "none")]
     measured = base["ranks"][0]["peak_bytes_step1"]
     args = {**base["args"], "offload_modules": []}
     sequential = _plan_of(args).ranks[0].total_bytes("none")
@@ -189,7 +186,7 @@ def test_sequential_mlp_experts_peak_and_bytes():
     assert abs(sequential - measured) / measured < 0.01
     assert grouped - sequential == 4 * CUBLAS_WORKSPACE_BYTES and (grouped - measured) / measured > 0.02
     for modules in ("expert_fc1+moe_act", "qkv_linear+core_attn+attn_proj+mlp_norm+expert_fc1+moe_act"):
-        run = runs[modules]
+        run = runs[run_of("ours", modules)]
         moved = {p: row["offloaded"] for p, row in run["ranks"][0]["offload"]["last_step"].items()}
         projected = _plan_of(run["args"]).offloaded_per_step(modules.split("+"))[0]
         assert moved["expert_fc1"] == projected["expert_fc1"]
