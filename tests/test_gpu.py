@@ -295,6 +295,17 @@ def test_fp8_delayed_scaling_each_point_equal_loss_and_no_parameter_or_workspace
     assert all(every.get(p, 0) > 0 for p in points), every
 
 
+def assert_no_offload_peak_as_projected(folder, args: dict, tolerance: float = 0.01) -> None:
+    """The baseline run's step-1 peak in ``folder`` is the planner's no-offload projection for ``args`` within
+    ``tolerance``."""
+    from tests.harness.plan_args import plan_of_run
+
+    base = next(folder.glob("*__baseline__*.json"))
+    measured = json.loads(base.read_text())["ranks"][0]["peak_bytes_step1"]
+    projected = plan_of_run({**args, "offload_modules": []}).ranks[0].total_bytes("none")
+    assert abs(projected - measured) / measured < tolerance, (projected, measured)
+
+
 def test_fp8_sequential_experts_offload_their_fp8_inputs(tmp_path):
     """FP8 delayed scaling with SequentialMLP experts (C's model at 4 layers, --no-moe-grouped-gemm): expert_fc1 is
     accepted there (only the grouped linear's Float8Tensor inputs are refused) and moves each expert's FP8 input;
@@ -312,10 +323,7 @@ def test_fp8_sequential_experts_offload_their_fp8_inputs(tmp_path):
     got = r["offloaded_bytes_by_point"]
     for point in ("expert_fc1", "moe_act"):  # each expert's storage: one routed under 512 rows keeps its own
         assert 0.9 * projected[point] < got.get(point, 0) <= 1.05 * projected[point], (point, got, projected)
-    base = next(tmp_path.glob("C/C__baseline__*.json"))
-    measured = json.loads(base.read_text())["ranks"][0]["peak_bytes_step1"]
-    projected_peak = plan_of_run({**run["args"], "offload_modules": []}).ranks[0].total_bytes("none")
-    assert abs(projected_peak - measured) / measured < 0.01, (projected_peak, measured)
+    assert_no_offload_peak_as_projected(tmp_path / "C", run["args"])
 
 
 @pytest.mark.parametrize("backend", ["flash", "fused"], ids=["flash", "cudnn-fused"])
@@ -427,10 +435,7 @@ def test_fine_grained_sequential_experts_moe_act_follows_the_size_threshold(tmp_
         assert "offload point moe_act saved no tensor" in log and "lower min_offloaded_tensor_size" in log
     else:
         assert 0 < got.get("moe_act", 0) <= projected["moe_act"], (got, projected)
-    base = next(tmp_path.glob("C/C__baseline__*.json"))
-    measured = json.loads(base.read_text())["ranks"][0]["peak_bytes_step1"]
-    projected_peak = plan_of_run({**run["args"], "offload_modules": []}).ranks[0].total_bytes("none")
-    assert abs(projected_peak - measured) / measured < 0.01, (projected_peak, measured)
+    assert_no_offload_peak_as_projected(tmp_path / "C", run["args"])
 
 
 @pytest.mark.parametrize(("config", "nproc"), [("E-tp2sp", 2), ("E-tp2moe", 2), ("E-ep2", 2), ("E-pp2", 2),
