@@ -15,7 +15,9 @@ and whether
 the offload points' forward glue is the C++ one (``native_points``, ``on`` or ``off``; ``MCORE_OFFLOAD_NATIVE_POINTS``:
 each step's hooks are registered and run within it), and how many copy-out bursts may be in flight
 (``d2h_in_flight``, ``MCORE_OFFLOAD_D2H_IN_FLIGHT``: ``0`` for no bound; the transports read it at every burst, and a
-step's end leaves none in flight either way). Benchmark tooling only: the library never imports it.
+step's end leaves none in flight either way), and whether a SequentialMLP's experts share one group per layer
+(``expert_loop``, ``MCORE_OFFLOAD_EXPERT_LOOP``: ``1`` or ``0``; read at each loop's entry). Benchmark tooling only:
+the library never imports it.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from typing import Any
 #: positive whole number of layers, else the words allowed
 SWITCHABLE: dict[str, tuple[str, ...] | None] = {"flush_layers": None, "reload_layers": None,
                                                  "prefetch": ("layer", "tail", "late"), "native_points": ("on", "off"),
-                                                 "split_chains": ("1", "0"), "d2h_in_flight": ("0", "1", "2", "4")}
+                                                 "split_chains": ("1", "0"), "d2h_in_flight": ("0", "1", "2", "4"),
+                                                 "expert_loop": ("1", "0")}
 
 
 def _get(manager: Any, key: str) -> int | str:
@@ -39,7 +42,7 @@ def _get(manager: Any, key: str) -> int | str:
         made = live_transports()
         return str(made[0].d2h_in_flight if made else d2h_in_flight_from_env())
     value = getattr(manager, key)
-    if key == "split_chains":
+    if key in ("split_chains", "expert_loop"):
         return "1" if value else "0"
     return ("on" if value is not None else "off") if key == "native_points" else value
 
@@ -58,8 +61,8 @@ def _set(manager: Any, key: str, value: int | str) -> None:
             raise SystemExit("--alternate-runtime native_points=on needs the C++ hooks: they did not load here "
                              "(MCORE_OFFLOAD_NATIVE)")
         setattr(manager, key, manager.native if value == "on" else None)
-    elif key == "split_chains":
-        manager.split_chains = value == "1"
+    elif key in ("split_chains", "expert_loop"):
+        setattr(manager, key, value == "1")
     else:
         setattr(manager, key, value)
 

@@ -13,7 +13,6 @@ from types import SimpleNamespace
 import pytest
 
 from mcore_offload.runtime import auto as auto_module
-from mcore_offload.runtime import points
 from mcore_offload.runtime.auto import PROBE_STEPS, SPLIT_UNITS, UNITS, AutoPlanner, attention_units, unit_of
 from mcore_offload.runtime.auto_choice import (
     CHAIN_PREVIOUS,
@@ -26,6 +25,7 @@ from mcore_offload.runtime.auto_choice import (
 )
 from mcore_offload.runtime.handler import ChunkOffloadHandler
 from mcore_offload.runtime.manager import get_manager
+from mcore_offload.runtime.saved import CHAIN_NEXT
 from tests.harness.gpt import init_parallel
 from tests.test_auto import auto_against_plain, profile
 from tests.test_offload_recompute import checkpoint_without_te  # noqa: F401 (fixture)
@@ -89,7 +89,7 @@ def test_split_units_let_the_plan_take_attn_proj_without_core_attn():
 
 
 def test_only_neighbouring_points_join_a_group():
-    assert CHAIN_PREVIOUS == {v: k for k, v in points.CHAIN_NEXT.items()}
+    assert CHAIN_PREVIOUS == {v: k for k, v in CHAIN_NEXT.items()}
     assert joins_a_group(CORE, {"qkv_linear"}) and joins_a_group(PROJ, {"core_attn"})
     assert joins_a_group(QKV, {"core_attn"}) and joins_a_group(CA, {"qkv_linear"})
     assert joins_a_group(("moe_act",), {"expert_fc1"}) and joins_a_group(("expert_fc1",), {"moe_act"})

@@ -41,7 +41,7 @@ OUTSIDE_CLOCK = 1.0
 #: without them about 0.7-1.3 %. The runtime's host time already holds its own copy calls: counting them here too errs
 #: toward offloading less.
 TRAFFIC_SHARE_PER_GIB = 0.01
-#: A layer's point -> the point whose group it continues when both are on (runtime/points.py's CHAIN_NEXT read
+#: A layer's point -> the point whose group it continues when both are on (runtime/saved.py's CHAIN_NEXT read
 #: backwards; tests/test_auto_units.py checks the two agree). Only neighbours chain: with core_attn off, qkv_linear and
 #: attn_proj (a pair auto may pick under FP8) open a group each.
 CHAIN_PREVIOUS: dict[str, str] = {"core_attn": "qkv_linear", "attn_proj": "core_attn", "moe_act": "expert_fc1"}

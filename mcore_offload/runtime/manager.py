@@ -29,7 +29,7 @@ from mcore_offload.runtime.enabled import enabled_points_cached, in_backward, po
 from mcore_offload.runtime.handler import ChunkOffloadHandler
 from mcore_offload.runtime.host_pool import host_memory_kind
 from mcore_offload.runtime.native import load_native
-from mcore_offload.runtime.saved import Entry, Group, saved_nothing_line
+from mcore_offload.runtime.saved import CHAIN_NEXT, Entry, Group, saved_nothing_line
 from mcore_offload.runtime.side_streams import side_stream_kind
 from mcore_offload.runtime.transport import d2h_in_flight_from_env, reset_transports, settle_pools
 from mcore_offload.summary import OffloadSummary
@@ -96,7 +96,8 @@ class OffloadManager:
 
     # What the C++ runtime reads (about 60 times a layer-microbatch) as slots, one load each (native/member_slots.cpp);
     # the rest in the instance dict
-    __slots__ = ("summary", "forward_handler", "auto", "open_groups", "chain", "chaining", "node_hooks", "split_chains",
+    __slots__ = ("summary", "forward_handler", "auto", "open_groups", "chain", "chain_next", "chaining", "node_hooks",
+                 "split_chains",
                  "_chunk_layers", "prefetch", "_peak_reader", "flush_layers", "reload_layers", "second_look",
                  "offload_log", "handlers", "__dict__", "__weakref__")
 
@@ -113,6 +114,8 @@ class OffloadManager:
         # Consecutive points of one layer share a group (runtime/points.py); MCORE_OFFLOAD_CHAIN_POINTS=0: one
         # group per point, as before (for comparisons)
         self.chaining = os.environ.get("MCORE_OFFLOAD_CHAIN_POINTS", "1") != "0"
+        # and a SequentialMLP's experts share theirs (points.expert_loop); MCORE_OFFLOAD_EXPERT_LOOP=0: one per expert
+        self.expert_loop = choice_env("MCORE_OFFLOAD_EXPERT_LOOP", "1", ("0", "1")) == "1"
         # MCORE_OFFLOAD_NODE_HOOKS=0: identity autograd nodes at every group's start and commit, as before
         # (runtime/points.py: NodeHook)
         self.node_hooks = os.environ.get("MCORE_OFFLOAD_NODE_HOOKS", "1") != "0"
@@ -155,6 +158,7 @@ class OffloadManager:
         self.open_groups: dict[str, tuple[ChunkOffloadHandler, Group]] = {}
         # a committed point whose group the next point of the layer joins: (handler, group, that next point)
         self.chain: tuple[ChunkOffloadHandler, Group, str] | None = None
+        self.chain_next: dict[str, str] = CHAIN_NEXT  # which point joins which one's group (an expert loop's own)
         self._microbatches: dict[int | None, int] = {}
         self._peak_reader: Any = None  # auto's peak step: the allocator's peak
         self._trained = False  # a training forward ran in this schedule call

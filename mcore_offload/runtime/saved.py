@@ -22,6 +22,12 @@ MIN_STORAGE_COVERAGE = 0.5
 # Points whose saved storages are sized by the MoE routing (tokens per local expert): their host buffers get
 # spare room (transport.HostBufferPool.ROUTED_HEADROOM)
 ROUTED_POINTS = frozenset({"expert_fc1", "moe_act"})
+# Chains: a point and the point that always comes next in the same layer and consumes its output (so that the
+# next point's backward runs before the first one's, and the shared group is done when the first one's start
+# node runs). With both on, they form one group. Attention's three points run inside SelfAttention.forward;
+# expert_fc1 and moe_act inside one expert MLP forward. Chains never cross from attention to the MLP: a layer
+# of a MoE model with moe_layer_freq may have no experts.
+CHAIN_NEXT: dict[str, str] = {"qkv_linear": "core_attn", "core_attn": "attn_proj", "expert_fc1": "moe_act"}
 
 
 def routed_key(point: str) -> str | None:

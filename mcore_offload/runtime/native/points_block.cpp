@@ -44,6 +44,7 @@ PyObject* s_rejected;
 PyObject* s_open_groups;
 PyObject* s_announced_points;
 PyObject* s_chaining;
+PyObject* s_chain_next;
 PyObject* s_on_group_commit_forward;
 PyObject* s_push_hooks;
 PyObject* s_pop_hooks;
@@ -56,7 +57,6 @@ struct PointCalls {
   PyObject* points = nullptr;         // the module mcore_offload.runtime.points
   PyObject* start_node = nullptr;     // points._start: GroupStart's identity node, for an input without a node
   PyObject* commit_node = nullptr;    // points._commit_node: GroupCommit's, for an output without one
-  PyObject* chain_next = nullptr;     // points.CHAIN_NEXT
   PyObject* saved_nothing = nullptr;  // points._saved_nothing: the log line of a point that offloaded nothing
   bool ready = false;
 };
@@ -77,16 +77,12 @@ bool calls_ready() {
   if (!points) return false;
   Py_INCREF(points.get());
   Py_XSETREF(g_calls.points, points.get());
-  PyObject** slots[] = {&g_calls.start_node, &g_calls.commit_node, &g_calls.chain_next, &g_calls.saved_nothing};
-  const char* names[] = {"_start", "_commit_node", "CHAIN_NEXT", "_saved_nothing"};
+  PyObject** slots[] = {&g_calls.start_node, &g_calls.commit_node, &g_calls.saved_nothing};
+  const char* names[] = {"_start", "_commit_node", "_saved_nothing"};
   for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); ++i) {
     PyObject* v = attr_or_none(points.get(), names[i]);
     if (v == nullptr) return false;
     Py_XSETREF(*slots[i], v);
-  }
-  if (!PyDict_Check(g_calls.chain_next)) {
-    PyErr_SetString(PyExc_TypeError, "mcore-offload: points.CHAIN_NEXT must be a dict");
-    return false;
   }
   g_calls.ready = true;
   return true;
@@ -208,8 +204,10 @@ PyObject* block_enter(PyObject* obj, PyObject*) {
       }
     }
   } else {
+    // a point once per group: an expert loop's group is joined by every expert's points (points.expert_loop)
     Ref points(getattr_fast(self->group, s_points));
-    if (!points || PyList_Append(points.get(), self->name) < 0) return nullptr;
+    int listed = points ? PySequence_Contains(points.get(), self->name) : -1;
+    if (listed < 0 || (!listed && PyList_Append(points.get(), self->name) < 0)) return nullptr;
   }
   if (note_group_state(self) < 0) return nullptr;
   PyObject *pack_hook = nullptr, *unpack_hook = nullptr;
@@ -414,7 +412,14 @@ PyObject* module_commit_point(PyObject*, PyObject* const* args, Py_ssize_t nargs
   Ref keep_opened(opened);
   Ref open_groups(getattr_fast(manager, s_open_groups));
   if (!open_groups || PyObject_DelItem(open_groups.get(), name) < 0) return nullptr;
-  PyObject* follower = PyDict_GetItemWithError(g_calls.chain_next, name);  // borrowed
+  // manager.chain_next: points.CHAIN_NEXT, or an expert loop's (points.expert_loop)
+  Ref chain_next(getattr_fast(manager, s_chain_next));
+  if (!chain_next) return nullptr;
+  if (!PyDict_Check(chain_next.get())) {
+    PyErr_SetString(PyExc_TypeError, "mcore-offload: manager.chain_next must be a dict");
+    return nullptr;
+  }
+  PyObject* follower = PyDict_GetItemWithError(chain_next.get(), name);  // borrowed
   if (follower == nullptr && PyErr_Occurred()) return nullptr;
   PyObject* result = nullptr;
   if (follower != nullptr) {
@@ -457,7 +462,7 @@ bool point_types_ready(PyObject* module) {
       {&s_config, "config"}, {&s_auto, "auto"}, {&s_enabled_points, "enabled_points"},
       {&s_close_chain, "close_chain"}, {&s_open_group, "open_group"}, {&s_node_hooks, "node_hooks"},
       {&s_rejected, "rejected"}, {&s_open_groups, "open_groups"},
-      {&s_announced_points, "announced_points"}, {&s_chaining, "chaining"},
+      {&s_announced_points, "announced_points"}, {&s_chaining, "chaining"}, {&s_chain_next, "chain_next"},
       {&s_on_group_commit_forward, "on_group_commit_forward"},
       {&s_push_hooks, "_push_hooks"}, {&s_pop_hooks, "_pop_hooks"}};
   if (!intern_names(names, sizeof(names) / sizeof(names[0]))) return false;
