@@ -401,7 +401,7 @@ def test_auto_on_a_real_model_probes_then_offloads_its_plan_bitwise_equal(_paral
 
 
 def test_auto_on_a_sequential_mlp_moe_model_plans_the_expert_points_bitwise_equal(_parallel, caplog):
-    """The tests' MoE GPT (a SequentialMLP: every local expert opens its own expert_fc1 and moe_act points) under
+    """The tests' MoE GPT (a SequentialMLP: every local expert runs its own expert_fc1 and moe_act points) under
     ``auto``: the probe offloads the expert points of every expert, the plan is logged once, and the planned steps
     stay bitwise equal and move what they offload back."""
     train_auto_bitwise_equal(caplog, build_moe_gpt, min_size=64)

@@ -348,10 +348,12 @@ def _warnings(config: PlanConfig, layers: Mapping[str, LayerActivations], sets: 
         out.append(note)
         if not training.moe_grouped_gemm:
             local = model.num_experts // layout.ep
-            # sessions 80-81 (1 x H200): 15 ms a step at 16 experts, 71-80 ms at 64, 4 layers x 4 microbatches
-            out.append(f"SequentialMLP experts (no --moe-grouped-gemm): each of the {local} local experts opens its "
-                       "own expert_fc1 and moe_act points, about 60-75 us of the runtime's host time per expert, "
-                       "layer and microbatch where they are offloaded (sessions 80-81); grouped GEMM keeps one each")
+            # session 82 (1 x H200, 64 experts, 4 layers x 4 microbatches): 25.5-43.5 ms a step with the experts
+            # sharing a group per layer, 71-80 ms with a group per expert (session 81)
+            out.append(f"SequentialMLP experts (no --moe-grouped-gemm): each of the {local} local experts runs its "
+                       "own expert_fc1 and moe_act points (one group per layer), about 25-45 us of the runtime's host "
+                       "time per expert, layer and microbatch where they are offloaded (session 82); grouped GEMM "
+                       "runs them once")
     if model.name == "deepseek-v3":
         out.append("deepseek-v3: multi-latent attention is modelled as standard attention (128 heads of 128)")
     if target is not None:
