@@ -9,6 +9,7 @@ event of the last copy that read them.
 from __future__ import annotations
 
 import bisect
+import math
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -41,7 +42,9 @@ class HostBufferPool:
     capacity per key: ``ROUTED_HEADROOM`` above a request that did not fit the previous one, and, at the end of
     a step in which it grew (:meth:`settle`), that much above the largest request seen, the key's smaller
     buffers replaced. Later steps find as many buffers as they hold at once, each fitting every size up to
-    1.25x the first step's largest.
+    1.25x the first step's largest. How many a step holds may move too (SequentialMLP experts, each output under or
+    over the size threshold): a key that runs short after the first step gets ``ROUTED_HEADROOM`` more buffers of
+    its capacity at that step's end, once rather than one or two at a time.
     """
 
     #: a free buffer of a larger class is taken if it is at most this much larger than the request's class
@@ -59,6 +62,8 @@ class HostBufferPool:
         self._routed_largest: dict[str, int] = {}  # routed key -> the largest request seen
         self._routed_owner: dict[int, str] = {}  # data_ptr of a routed buffer -> its key
         self._routed_grew = False  # a routed capacity grew since the last settle()
+        self._routed_short: set[str] = set()  # routed keys that ran out of buffers after the first step
+        self._settled = 0  # settle() calls: ends of steps
         self._retired: list[tuple[torch.Tensor, object]] = []  # replaced buffers an H2D may still read
         self.allocations = 0
         self.allocated_bytes = 0
@@ -100,6 +105,8 @@ class HostBufferPool:
         if nbytes > cap:
             self._routed_cap[key] = cap = self._with_headroom(nbytes)
             self._routed_grew = True
+        elif self._settled:
+            self._routed_short.add(key)
         return self._allocate(cap, key), None
 
     def _with_headroom(self, nbytes: int) -> int:
@@ -135,6 +142,16 @@ class HostBufferPool:
         H2D: it is kept (retired) until that copy's event has completed, checked without blocking here.
         """
         self._retired = [(b, e) for b, e in self._retired if e is not None and not e.query()]
+        self._settled += 1
+        # A key that needed more buffers at once than any step before: how many of its storages a step holds moves
+        # with the routing too (SequentialMLP experts, each under or over the size threshold; 1-3 buffers at a time
+        # in session 82's 80-step runs). It gets that headroom in count as well, once, instead of a few at a time.
+        for key in self._routed_short:
+            free = self._routed_free[key]
+            cap = self._routed_cap[key]
+            for _ in range(max(1, math.ceil(len(free) * self.ROUTED_HEADROOM))):
+                free.insert(0, (self._allocate(cap, key), None))
+        self._routed_short.clear()
         if not self._routed_grew:
             return
         self._routed_grew = False
@@ -157,6 +174,8 @@ class HostBufferPool:
         self._routed_largest.clear()
         self._routed_owner.clear()
         self._routed_grew = False
+        self._routed_short.clear()
+        self._settled = 0
         self._retired.clear()
 
 
