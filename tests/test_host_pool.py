@@ -167,3 +167,25 @@ def test_an_unknown_host_memory_kind_is_one_sentence(monkeypatch, value):
     assert host_memory_kind() == "write-combined"
     monkeypatch.delenv("MCORE_OFFLOAD_HOST_MEMORY")
     assert host_memory_kind() == "pinned"
+
+
+def test_the_gpu_run_with_the_top_up_allocated_in_one_later_step_only():
+    """Session 82 (1 x H200, 64 SequentialMLP experts, threshold 65536, 80 steps alternating offloaded and plain):
+    before the top-up the run allocated pinned buffers in two later steps, with it in one (the top-up), and its
+    losses are bitwise equal to the earlier run's, step for step."""
+    import json
+    import tarfile
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "session82-expert-loop"
+
+    def rank0(tarball: Path, member: str) -> dict:
+        with tarfile.open(tarball) as tar:
+            return json.load(tar.extractfile(member))["ranks"][0]
+
+    before = rank0(folder / "lease2" / "al.tgz", "al/alt_experts-none-1.json")
+    after = rank0(folder / "lease3" / "al3.tgz", "al3/alt_experts-none-1.json")
+    later = [[(step, n) for step, n in enumerate(r["offload"]["host_buffer_allocations_per_step"]) if step and n]
+             for r in (before, after)]
+    assert len(later[0]) == 2 and len(later[1]) == 1
+    assert after["loss_hex"] == before["loss_hex"] and len(after["loss_hex"]) == 80
