@@ -63,7 +63,7 @@ class HostBufferPool:
         self._routed_owner: dict[int, str] = {}  # data_ptr of a routed buffer -> its key
         self._routed_grew = False  # a routed capacity grew since the last settle()
         self._routed_short: set[str] = set()  # routed keys that ran out of buffers after the first step
-        self._settled = 0  # settle() calls: ends of steps
+        self._first_step_ended = False  # settle() ran once
         self._retired: list[tuple[torch.Tensor, object]] = []  # replaced buffers an H2D may still read
         self.allocations = 0
         self.allocated_bytes = 0
@@ -105,7 +105,7 @@ class HostBufferPool:
         if nbytes > cap:
             self._routed_cap[key] = cap = self._with_headroom(nbytes)
             self._routed_grew = True
-        elif self._settled:
+        elif self._first_step_ended:
             self._routed_short.add(key)
         return self._allocate(cap, key), None
 
@@ -142,7 +142,7 @@ class HostBufferPool:
         H2D: it is kept (retired) until that copy's event has completed, checked without blocking here.
         """
         self._retired = [(b, e) for b, e in self._retired if e is not None and not e.query()]
-        self._settled += 1
+        self._first_step_ended = True
         # A key that needed more buffers at once than any step before: how many of its storages a step holds moves
         # with the routing too (SequentialMLP experts, each under or over the size threshold; 1-3 buffers at a time
         # in session 82's 80-step runs). It gets that headroom in count as well, once, instead of a few at a time.
@@ -175,7 +175,7 @@ class HostBufferPool:
         self._routed_owner.clear()
         self._routed_grew = False
         self._routed_short.clear()
-        self._settled = 0
+        self._first_step_ended = False
         self._retired.clear()
 
 

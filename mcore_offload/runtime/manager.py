@@ -97,9 +97,8 @@ class OffloadManager:
     # What the C++ runtime reads (about 60 times a layer-microbatch) as slots, one load each (native/member_slots.cpp);
     # the rest in the instance dict
     __slots__ = ("summary", "forward_handler", "auto", "open_groups", "chain", "chain_next", "chaining", "node_hooks",
-                 "split_chains",
-                 "_chunk_layers", "prefetch", "_peak_reader", "flush_layers", "reload_layers", "second_look",
-                 "offload_log", "handlers", "__dict__", "__weakref__")
+                 "split_chains", "_chunk_layers", "prefetch", "_peak_reader", "flush_layers", "reload_layers",
+                 "second_look", "offload_log", "handlers", "__dict__", "__weakref__")
 
     def __init__(self) -> None:
         self.summary = OffloadSummary()

@@ -159,7 +159,6 @@ def _commit_group(tensor: torch.Tensor, handler: ChunkOffloadHandler, group: Gro
     return _commit_node(tensor, handler, group)
 
 
-
 class _Passthrough:
     """The context of a point that is off: hands the tensor through (cheaper than a generator context)."""
 
@@ -362,11 +361,10 @@ class _ExpertLoop:
     __slots__ = ("manager", "loop_next", "outer_next")
 
     def __init__(self, manager: Any, loop_next: dict[str, str]) -> None:
-        self.manager, self.loop_next, self.outer_next = manager, loop_next, manager.chain_next
+        self.manager, self.loop_next = manager, loop_next
 
     def __enter__(self) -> _ExpertLoop:
-        self.outer_next = self.manager.chain_next
-        self.manager.chain_next = self.loop_next
+        self.outer_next, self.manager.chain_next = self.manager.chain_next, self.loop_next
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -376,7 +374,7 @@ class _ExpertLoop:
         """The experts' concatenated output: the group the last expert left open is queued, and backward reloads it
         before the first expert backward (the cat's node runs before any of theirs)."""
         manager = self.manager
-        manager.chain_next = self.outer_next
+        manager.chain_next = self.outer_next  # the loop's chaining ends here (__exit__ restores it after a fault)
         chain = manager.chain
         if chain is None or chain[2] not in EXPERT_POINTS or chain[0] is not manager.forward_handler:
             return output
