@@ -54,12 +54,6 @@ def test_variant_suffixes_and_prefixes_set_their_switches(tmp_path):
     assert "--alternate-offload" in plain_args
 
 
-def test_nokc_keeps_megatrons_copies_of_the_token_counts(tmp_path):
-    (nokc, nokc_args), (plain, _) = _launches(tmp_path, "alt_attn_nokc alt_attn")
-    assert nokc["MCORE_OFFLOAD_KERNEL_COUNTS"] == "0" and "MCORE_OFFLOAD_KERNEL_COUNTS" not in plain
-    assert "--offload-modules qkv_linear core_attn attn_proj " in nokc_args
-
-
 def test_dmaload_all_copies_at_every_layer_and_dmaload_leaves_the_last_out(tmp_path):
     runs = _launches(tmp_path, "dmaload dmaload_all")
     assert len(runs) == 2

@@ -13,10 +13,7 @@ the host, ``--reps`` times, and reports the median latency and the burst's own d
 - ``d2h_1``, ``d2h_4``, ``d2h_16``: a D2H burst of ``--burst-mib`` MiB into pinned memory as 1, 4 or 16 copies;
 - ``h2d_1``: the same bytes host to device (the other direction, for reference);
 - ``d2h_1_read_high``: the read on a stream of the highest priority (the burst as in ``d2h_1``; PyTorch's
-  default priority 0 is already the lowest, so only the reader's priority can differ);
-- ``idle_kernel_read`` / ``d2h_1_kernel_read``: the read as the patched MoE dispatcher makes it while offloading
-  (``mcore_offload.runtime.host_counts.counts_to_host``: a kernel writes the values into pinned memory, then an
-  event sync), with no burst / behind the ``d2h_1`` burst (session 83).
+  default priority 0 is already the lowest, so only the reader's priority can differ).
 
 Run on the GPU host: ``python3 benchmarks/gpu/d2h_contention.py --out OUT.json``.
 """
@@ -35,8 +32,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/, for host_delay
 from host_delay import spin  # noqa: E402
 
-from mcore_offload.runtime.host_counts import counts_to_host  # noqa: E402
-
 
 def burst(stream: torch.cuda.Stream, dst: list[torch.Tensor], src: list[torch.Tensor]) -> tuple:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -49,7 +44,7 @@ def burst(stream: torch.cuda.Stream, dst: list[torch.Tensor], src: list[torch.Te
 
 
 def run_case(name: str, pieces: int, direction: str, stream: torch.cuda.Stream, nbytes: int, reps: int,
-             lead_us: float, reader: torch.cuda.Stream | None = None, kernel: bool = False) -> dict:
+             lead_us: float, reader: torch.cuda.Stream | None = None) -> dict:
     dev = torch.device("cuda")
     n = nbytes // max(pieces, 1)
     gpu = [torch.empty(n, dtype=torch.uint8, device=dev) for _ in range(max(pieces, 1))]
@@ -63,13 +58,7 @@ def run_case(name: str, pieces: int, direction: str, stream: torch.cuda.Stream, 
             ev = burst(stream, host, gpu) if direction == "d2h" else burst(stream, gpu, host)
         spin(lead_us)
         t0 = time.perf_counter_ns()
-        if kernel:  # as the patched dispatcher: on its side stream, then its event
-            reader.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(reader):
-                counts_to_host(small)
-                done = reader.record_event()
-            done.synchronize()
-        elif reader is None:
+        if reader is None:
             small.cpu()
         else:
             reader.wait_stream(torch.cuda.current_stream())
@@ -79,8 +68,8 @@ def run_case(name: str, pieces: int, direction: str, stream: torch.cuda.Stream, 
         torch.cuda.synchronize()
         if ev is not None:
             burst_ms.append(ev[0].elapsed_time(ev[1]))
-    row = {"case": name, "pieces": pieces, "direction": direction, "kernel_read": kernel,
-           "read_us_median": statistics.median(lat), "read_us_min": min(lat), "read_us_max": max(lat)}
+    row = {"case": name, "pieces": pieces, "direction": direction, "read_us_median": statistics.median(lat),
+           "read_us_min": min(lat), "read_us_max": max(lat)}
     if burst_ms:
         ms = statistics.median(burst_ms)
         row.update(burst_ms_median=ms, burst_GBps=nbytes / ms / 1e6)
@@ -98,16 +87,12 @@ def main() -> None:
     side = torch.cuda.Stream()
     lo, hi = torch.cuda.Stream.priority_range() if hasattr(torch.cuda.Stream, "priority_range") else (0, -1)
     high = torch.cuda.Stream(priority=hi)
-    reader = torch.cuda.Stream()  # the dispatcher's own side stream
-    cases = [("idle", 0, "d2h", None, False), ("d2h_1", 1, "d2h", None, False), ("d2h_4", 4, "d2h", None, False),
-             ("d2h_16", 16, "d2h", None, False), ("h2d_1", 1, "h2d", None, False),
-             ("d2h_1_read_high", 1, "d2h", high, False), ("idle_kernel_read", 0, "d2h", reader, True),
-             ("d2h_1_kernel_read", 1, "d2h", reader, True)]
+    cases = [("idle", 0, "d2h", None), ("d2h_1", 1, "d2h", None), ("d2h_4", 4, "d2h", None),
+             ("d2h_16", 16, "d2h", None), ("h2d_1", 1, "h2d", None), ("d2h_1_read_high", 1, "d2h", high)]
     run_case("warmup", 1, "d2h", side, nbytes, 3, args.lead_us)
-    run_case("warmup_kernel", 1, "d2h", side, nbytes, 3, args.lead_us, reader, True)
     rows = []
-    for name, pieces, direction, reader_stream, kernel in cases:
-        row = run_case(name, pieces, direction, side, nbytes, args.reps, args.lead_us, reader_stream, kernel)
+    for name, pieces, direction, reader in cases:
+        row = run_case(name, pieces, direction, side, nbytes, args.reps, args.lead_us, reader)
         rows.append(row)
         print(json.dumps(row), flush=True)
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "burst_mib": args.burst_mib,

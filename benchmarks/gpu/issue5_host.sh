@@ -44,8 +44,7 @@
 #    (MCORE_OFFLOAD_HOST_MEMORY).
 #    blkB_NAME: NAME alternating blocks of B steps (--alternate-block B: B plain, B offloaded, ...; each offloaded
 #    block's median over its plain neighbours', the first step of every block left out; blkB_NAME@native too).
-#    NAME_nolook: MCORE_OFFLOAD_SECOND_LOOK=0 (runtime/second_look.py off). NAME_nokc: MCORE_OFFLOAD_KERNEL_COUNTS=0
-#    (the MoE dispatcher's token counts copied as megatron does, runtime/host_counts.py). NAME_nosplit:
+#    NAME_nolook: MCORE_OFFLOAD_SECOND_LOOK=0 (runtime/second_look.py off). NAME_nosplit:
 #    MCORE_OFFLOAD_SPLIT_CHAINS=0 (a chain reloads as one part, prefetch.Prefetch._chain_parts). NAME_oc0 (auto):
 #    MCORE_OFFLOAD_AUTO_OUTSIDE_CLOCK=0 (a group priced at the runtime's clock alone, the model before session 67);
 #    NAME_bx (auto): MCORE_OFFLOAD_AUTO_BACKWARD_EXPOSURE=1 (exposure: the mean of the forward's and the backward's).
@@ -100,7 +99,6 @@ for rep in $(seq 1 "${REPS:-2}"); do
       case ${name%@old} in *_r2*) envs="$envs MCORE_OFFLOAD_RELOAD_LAYERS=2" ;; esac
       case ${name%@old} in *_coal*) envs="$envs MCORE_OFFLOAD_COALESCE_RELOADS=1" ;; esac
       case ${name%@old} in *_nolook*) envs="$envs MCORE_OFFLOAD_SECOND_LOOK=0" ;; esac
-      case ${name%@old} in *_nokc*) envs="$envs MCORE_OFFLOAD_KERNEL_COUNTS=0" ;; esac
       case ${name%@old} in *_nosplit*) envs="$envs MCORE_OFFLOAD_SPLIT_CHAINS=0" ;; esac
       case ${name%@old} in *_oc0*) envs="$envs MCORE_OFFLOAD_AUTO_OUTSIDE_CLOCK=0" ;; esac
       case ${name%@old} in *_bx*) envs="$envs MCORE_OFFLOAD_AUTO_BACKWARD_EXPOSURE=1" ;; esac
@@ -137,7 +135,7 @@ for rep in $(seq 1 "${REPS:-2}"); do
           envs="$envs MCORE_OFFLOAD_TELEMETRY_EVERY=${SW_TELEMETRY_EVERY:-3}" ;;
         *) alt="" ;; esac
       case ${name%@old} in *_bd) alt="$alt --runtime-breakdown" ;; esac
-      base=${nosp%@old}; base=${base//_ssa/}; base=${base//_ssh/}; base=${base//_nccldbg/}; base=${base//_wc/}; base=${base//_coal/}; base=${base//_nolook/}; base=${base//_nokc/}; base=${base//_nosplit/}; base=${base//_oc0/}; base=${base//_bx/}; base=${base//_py/}; base=${base//_f4/}; base=${base//_r2/}; base=${base%%_ifl[0-9]*}; base=${base%%_hb[0-9]*}; base=${base#alt_}; base=${base#sw_}; base=${base#idle_}; base=${base#stop_}; base=${base#stopec_}; base=${base#stoph_}; base=${base#stopb_}; base=${base#mid_}; base=${base#midec_}; base=${base#midh_}; base=${base#midb_}; [[ $base =~ ^blk[0-9]+_(.*)$ ]] && base=${BASH_REMATCH[1]}; base=${base%_bd}; base=${base%_nochain}; base=${base%_torchcopy}
+      base=${nosp%@old}; base=${base//_ssa/}; base=${base//_ssh/}; base=${base//_nccldbg/}; base=${base//_wc/}; base=${base//_coal/}; base=${base//_nolook/}; base=${base//_nosplit/}; base=${base//_oc0/}; base=${base//_bx/}; base=${base//_py/}; base=${base//_f4/}; base=${base//_r2/}; base=${base%%_ifl[0-9]*}; base=${base%%_hb[0-9]*}; base=${base#alt_}; base=${base#sw_}; base=${base#idle_}; base=${base#stop_}; base=${base#stopec_}; base=${base#stoph_}; base=${base#stopb_}; base=${base#mid_}; base=${base#midec_}; base=${base#midh_}; base=${base#midb_}; [[ $base =~ ^blk[0-9]+_(.*)$ ]] && base=${BASH_REMATCH[1]}; base=${base%_bd}; base=${base%_nochain}; base=${base%_torchcopy}
       case $base in baseline) flags="" ;; core_attn) flags=$OFF ;;
         hooks_only) flags="$OFF --min-offloaded-tensor-size 1000000000000" ;;
         attn) flags="--fine-grained-activation-offloading --offload-modules qkv_linear core_attn attn_proj" ;;

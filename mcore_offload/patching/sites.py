@@ -20,7 +20,6 @@ POINT_SITES: dict[str, str] = {
     "megatron.core.transformer.mlp": "expert_fc1 / moe_act points (SequentialMLP experts)",
     "megatron.core.models.gpt.gpt_model": "model-chunk registration",
     "megatron.core.pipeline_parallel.schedules": "end-of-step reset",
-    "megatron.core.transformer.moe.token_dispatcher": "MoE token counts read without the copy engine",
 }
 
 MARKER = "_mcore_offload_points"

@@ -16,8 +16,6 @@ about 30 µs of host time inside a launch-bound step, and its backward dispatch 
 ``MCORE_OFFLOAD_NODE_HOOKS=0`` restores the identity nodes (for comparisons).
 - ``expert_loop(config)``: context manager around a SequentialMLP's loop over its local experts, whose ``commit``
   takes the concatenated output: the experts of a layer share one group (see :func:`expert_loop`).
-- ``counts_reader(config)``: the function the MoE all-to-all dispatcher reads its token counts to the host with
-  (:mod:`mcore_offload.runtime.host_counts`).
 - ``begin_chunk`` / ``end_chunk`` (GPTModel.forward, around the decoder), ``layer_boundary``
   (TransformerLayer.forward) and ``step_boundary`` (the three pipeline schedules) drive the manager.
 
@@ -41,7 +39,6 @@ import torch
 from mcore_offload.runtime import manager as _manager_module
 from mcore_offload.runtime.enabled import in_backward
 from mcore_offload.runtime.handler import ChunkOffloadHandler
-from mcore_offload.runtime.host_counts import counts_reader  # noqa: F401  (patch 07 calls it through this module)
 from mcore_offload.runtime.manager import get_manager
 from mcore_offload.runtime.saved import MIN_STORAGE_COVERAGE, ROUTED_POINTS, Group
 
