@@ -29,6 +29,10 @@ logger = logging.getLogger(__name__)
 # core_attn, 612 ms of 812, is over it
 EXPOSED_STALL_SHARE = 0.25
 EXPOSED_STALL_MIN_MS = 10.0
+# warn_if_copies_trail: copies still running at a chunk's forward end, over this many bytes and this share of what the
+# step's forwards released, say the link does not keep up with the forward (one late layer's bytes are normal)
+TRAILING_MIN_BYTES = 64 * 2**20
+TRAILING_SHARE = 1 / 8
 
 COUNTERS = (
     "offloaded",
@@ -57,6 +61,8 @@ class StepRecord:
     # host time from the previous recorded step's end to this one's (None for the first): what the stall is compared
     # with (in runs that pause offloading between steps it spans more than one step, so the share reads low)
     host_step_ms: float | None = None
+    # the most bytes still being copied out when one of this step's chunk forwards ended (Transport.trailing_bytes)
+    trailing_bytes: int = 0
 
     def total(self, counter: str) -> int:
         return sum(c[counter] for c in self.points.values())
@@ -94,6 +100,7 @@ class OffloadSummary:
     native_clock: Any = None
     _closed_at_ns: int | None = None  # perf_counter_ns() at the last close_step
     exposed_copies_warned: bool = False  # warn_if_copies_exposed says it once per rank
+    trailing_copies_warned: bool = False  # warn_if_copies_trail says it once per rank
 
     def runtime_total_ns(self) -> int:
         """Host time inside the runtime's hooks since the last closed step, Python's and C++'s."""
@@ -192,7 +199,11 @@ class OffloadSummary:
                             runtime_cpu_ms=self.runtime_total_ns() / 1e6,
                             host_step_ms=None if self._closed_at_ns is None else (now - self._closed_at_ns) / 1e6)
         self._closed_at_ns = now
+        record.trailing_bytes = max((t.trailing_bytes for t in transports), default=0)
+        for t in transports:
+            t.trailing_bytes = 0
         self.steps.append(record)
+        self.warn_if_copies_trail(record)
         self._allocations_seen = allocations
         self._current = _new_points()
         self.runtime_ns = 0
@@ -236,14 +247,32 @@ class OffloadSummary:
             100 * link.stall_ms / rec.host_step_ms, max(link.d2h_bytes, link.h2d_bytes) / 2**20)
         return True
 
+    def warn_if_copies_trail(self, rec: StepRecord) -> bool:
+        """Once per rank: a warning where at least 64 MiB, and an eighth of what the step's forwards released, were
+        still being copied out when a chunk's forward ended. Those blocks are still allocated at a peak that comes
+        there, so the peak drops by less than the offloaded bytes, and by a different amount from step to step
+        (session 83: A's attention set on a fast host, 22-40 of 50 steps 114-674 MiB higher). True if it warned."""
+        released = rec.total("released_in_forward")
+        if self.trailing_copies_warned or rec.trailing_bytes < max(TRAILING_MIN_BYTES, released * TRAILING_SHARE):
+            return False
+        self.trailing_copies_warned = True
+        logger.warning(
+            "offload step %d: %.0f MiB were still being copied to the host when a chunk's forward ended (the link "
+            "did not keep up with this forward), so they still counted at a peak there: the peak drops by up to that "
+            "much less than the %.0f MiB offloaded. Offload fewer points, or set MCORE_OFFLOAD_D2H_IN_FLIGHT=1 to "
+            "make the forward wait for the copies (it costs step time)", rec.step, rec.trailing_bytes / 2**20,
+            released / 2**20)
+        return True
+
     def link_series(self) -> dict[str, list]:
-        """Per step: stall_ms, d2h_GBps, h2d_GBps, runtime_cpu_ms (None where not measured)."""
+        """Per step: stall_ms, d2h_GBps, h2d_GBps, runtime_cpu_ms (None where not measured), trailing_bytes."""
         def col(name: str) -> list:
             return [None if s.link is None else getattr(s.link, name) for s in self.steps]
 
         return {"stall_ms": col("stall_ms"), "d2h_GBps": col("d2h_GBps"), "h2d_GBps": col("h2d_GBps"),
                 "d2h_bytes": col("d2h_bytes"), "h2d_bytes": col("h2d_bytes"),
-                "runtime_cpu_ms": [s.runtime_cpu_ms for s in self.steps]}
+                "runtime_cpu_ms": [s.runtime_cpu_ms for s in self.steps],
+                "trailing_bytes": [s.trailing_bytes for s in self.steps]}
 
     @property
     def last_step(self) -> StepRecord | None:
@@ -289,6 +318,9 @@ class OffloadSummary:
         if last.link is not None:
             lines.append(f"link: stall {_fmt(last.link.stall_ms)} ms, D2H {_fmt(last.link.d2h_GBps)} GB/s, "
                          f"H2D {_fmt(last.link.h2d_GBps)} GB/s")
+        if last.trailing_bytes:
+            lines.append(f"copies still running at a chunk's forward end: {last.trailing_bytes / mib:.2f} MiB "
+                         "(the most this step; still allocated at a peak there)")
         from mcore_offload.runtime.transport import live_transports
 
         transports = live_transports()

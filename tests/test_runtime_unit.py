@@ -429,11 +429,15 @@ class _Burst:
 
 
 class _Held:
-    def __init__(self):
+    def __init__(self, nbytes=0):
         self.streams = []
+        self.nbytes = nbytes
 
     def record_stream(self, stream):
         self.streams.append(stream)
+
+    def untyped_storage(self):
+        return SimpleNamespace(nbytes=lambda: self.nbytes)
 
 
 def test_copied_blocks_are_let_go_in_burst_order_and_the_rest_handed_to_the_allocator_at_the_end():
@@ -442,8 +446,8 @@ def test_copied_blocks_are_let_go_in_burst_order_and_the_rest_handed_to_the_allo
     from mcore_offload.runtime.transport import CudaTransport
 
     bursts = [_Burst(True), _Burst(False), _Burst(True)]
-    tensors = [[_Held()], [_Held(), _Held()], [_Held()]]
-    t = SimpleNamespace(_held=deque(zip(bursts, tensors)), d2h_stream="d2h", d2h_in_flight=0)
+    tensors = [[_Held(1)], [_Held(10), _Held(100)], [_Held(1000)]]
+    t = SimpleNamespace(_held=deque(zip(bursts, tensors)), d2h_stream="d2h", d2h_in_flight=0, trailing_bytes=0)
     CudaTransport.release_copied(t)
     # the first burst finished: gone; the second has not, and the third waits behind it (one query per burst)
     assert [b for b, _ in t._held] == bursts[1:]
@@ -455,6 +459,36 @@ def test_copied_blocks_are_let_go_in_burst_order_and_the_rest_handed_to_the_allo
     assert not t._held
     # what was still held goes to the allocator guarded by the copy stream; what was let go earlier is untouched
     assert [h.streams for ts in tensors for h in ts] == [[], ["d2h"], ["d2h"], ["d2h"]]
+    # and its bytes are what trailed this forward; a later forward end with less trailing keeps the step's largest
+    assert t.trailing_bytes == 1110
+    t._held.append((_Burst(False), [_Held(5)]))
+    CudaTransport.release_copied(t, final=True)
+    assert t.trailing_bytes == 1110
+
+
+def test_copies_trailing_a_forward_are_a_step_figure_and_warn_once(caplog, monkeypatch):
+    import mcore_offload.runtime.transport as transport_module
+    from mcore_offload.summary import TRAILING_MIN_BYTES, OffloadSummary
+
+    mib = 2**20
+    summary = OffloadSummary()
+    transport = SimpleNamespace(trailing_bytes=0, pool=SimpleNamespace(allocations=0),
+                                telemetry=SimpleNamespace(end_step=lambda step: None, resolve=lambda wait=False: []))
+    monkeypatch.setattr(transport_module, "live_transports", lambda: [transport])
+    steps = [(48 * mib, 1024 * mib), (200 * mib, 1024 * mib), (400 * mib, 1024 * mib)]
+    with caplog.at_level("WARNING", logger="mcore_offload.summary"):
+        for trailing, released in steps:
+            summary.add("core_attn", "released_in_forward", released)
+            transport.trailing_bytes = trailing
+            summary.close_step()
+            assert transport.trailing_bytes == 0  # taken by the step
+    assert [s.trailing_bytes for s in summary.steps] == [48 * mib, 200 * mib, 400 * mib]
+    assert summary.link_series()["trailing_bytes"] == [48 * mib, 200 * mib, 400 * mib]
+    # under 64 MiB no warning; 200 MiB of 1024 is over an eighth: one warning, and only one per rank
+    assert 48 * mib < TRAILING_MIN_BYTES
+    warnings = [r.getMessage() for r in caplog.records if "still being copied" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].startswith("offload step 1: 200 MiB were still being copied")
+    assert "MCORE_OFFLOAD_D2H_IN_FLIGHT=1" in warnings[0]
 
 
 def test_the_saved_nothing_line_names_the_usual_cause():

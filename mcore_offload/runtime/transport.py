@@ -84,6 +84,9 @@ class Transport:
 
     d2h_in_flight = 0  # MCORE_OFFLOAD_D2H_IN_FLIGHT (CudaTransport.bound_in_flight); 0: no bound
     in_flight_waits = 0  # the compute stream's waits for copy-out bursts under that bound
+    # the most bytes whose copy-out was still running when a chunk's forward ended, since the summary last took it
+    # (OffloadSummary.close_step): they were still allocated then, where the step's peak usually comes
+    trailing_bytes = 0
 
     def __init__(self) -> None:
         self.pool = HostBufferPool(pin=False)
@@ -329,10 +332,14 @@ class CudaTransport(Transport):
                 self._wait_for_held(len(held))
                 return
             stream = self.d2h_stream
+            trailing = 0
             for _, tensors in held:
                 for t in tensors:
                     t.record_stream(stream)  # the allocator must not reuse the block before the copy read it
+                    trailing += t.untyped_storage().nbytes()
             held.clear()
+            # the link did not keep up with this forward: these blocks count at a peak that comes now
+            self.trailing_bytes = max(self.trailing_bytes, trailing)
 
     def synchronize(self):
         self.d2h_stream.synchronize()
