@@ -76,6 +76,9 @@ def ours_results(args: Any, on_steps: list[bool], switching: bool, at_peak: int 
     for key in ("stall_ms", "d2h_GBps", "h2d_GBps", "runtime_cpu_ms"):
         vals = [v for v in per_step[key][skip:] if v is not None]
         row[key] = statistics.median(vals) if vals else None
+    # the most bytes still being copied out at a chunk's forward end in a counted step: what a higher peak can hold
+    trailing = [v for v in per_step.get("trailing_bytes", [])[skip:] if v is not None]
+    row["trailing_mib_max"] = max(trailing) / 2**20 if trailing else None
     row["host_bytes_at_peak"] = at_peak
     # auto's inputs and plan, for benchmarks/auto_replay.py (None without auto)
     from mcore_offload.runtime.manager import get_manager

@@ -53,3 +53,19 @@ def test_the_slow_and_fast_thirds_are_printed_from_the_host_clock(tmp_path):
                        "steal_ms": [0.0] * 11 + [100.0] * 6, "busy_cpus": [2.0] * n, "involuntary_switches": [3] * n}
     out = summary_of(tmp_path, {"baseline-none-1": [r]})
     assert "slow / fast third: issue_ms 470.0/350.0" in out and "steal_ms 100.0/0.0" in out
+
+
+def test_an_alternating_run_prints_its_worst_and_median_offloaded_peaks_and_the_trailing_copies(tmp_path):
+    """Session 83: the worst offloaded step set "delta peak" at 750 MiB where most steps freed 1424; the line now
+    shows both, and the largest copy-out still running at a chunk's forward end."""
+    mib = 2**20
+    r = row(0, [None] * 6)
+    on = [True, False] * 3
+    r["alternation"] = {"pairs": 2, "paired_overhead_pct": 2.9, "paired_overhead_ci95_pct": [2.1, 4.1],
+                        "step_ms_on_median": 323.6, "step_ms_off_median": 312.4, "on_steps": on,
+                        "step_peaks": [9243 * mib, 10667 * mib, 9917 * mib, 10667 * mib, 9243 * mib, 10667 * mib],
+                        "peak_bytes_off_max": 10667 * mib, "delta_peak_bytes": 750 * mib}
+    r["trailing_mib_max"] = 674.0
+    out = summary_of(tmp_path, {"alt_attn-none-1": [r]})
+    assert "delta peak 750 MiB (median offloaded step 1424 MiB)" in out
+    assert "trailing max 674.0 MiB" in out

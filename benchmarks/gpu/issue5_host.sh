@@ -205,10 +205,16 @@ for stem, r in runs.items():
               f"{stop.get('offloaded_over_before_pct')} % {stop.get('offloaded_over_before_ci95_pct')}")
     alt = r.get("alternation")
     if alt:
+        # the worst offloaded step sets delta peak; the median one says whether most steps did better (session 83)
+        on_peaks = [p for p, on in zip(alt.get("step_peaks") or [], alt.get("on_steps") or []) if on and p]
+        off_max = alt.get("peak_bytes_off_max")
+        median_delta = (off_max - st.median(on_peaks)) / 2**20 if on_peaks and off_max else None
         print(f"  alternating: {alt['pairs']} pairs, paired overhead {alt.get('paired_overhead_pct')} % "
               f"(95 % interval {alt.get('paired_overhead_ci95_pct')}), on/off medians {alt['step_ms_on_median']:.1f}"
-              f"/{alt['step_ms_off_median']:.1f} ms, delta peak {(alt.get('delta_peak_bytes') or 0) / 2**20:.0f} MiB, "
-              f"stall {r.get('stall_ms')} ms, d2h {r.get('d2h_GBps')} h2d {r.get('h2d_GBps')} GB/s, issued on/off "
+              f"/{alt['step_ms_off_median']:.1f} ms, delta peak {(alt.get('delta_peak_bytes') or 0) / 2**20:.0f} MiB "
+              f"(median offloaded step {median_delta if median_delta is None else round(median_delta)} MiB), "
+              f"stall {r.get('stall_ms')} ms, trailing max {r.get('trailing_mib_max')} MiB, "
+              f"d2h {r.get('d2h_GBps')} h2d {r.get('h2d_GBps')} GB/s, issued on/off "
               f"{alt.get('issue_ms_on_median')}/{alt.get('issue_ms_off_median')} ms")
         ps = alt.get("plain_steps")
         if ps:
