@@ -29,10 +29,10 @@ logger = logging.getLogger(__name__)
 # core_attn, 612 ms of 812, is over it
 EXPOSED_STALL_SHARE = 0.25
 EXPOSED_STALL_MIN_MS = 10.0
-# warn_if_copies_trail: copies still running at a chunk's forward end, over this many bytes and this share of what the
-# step's forwards released, say the link does not keep up with the forward (one late layer's bytes are normal)
+# warn_if_copies_trail: copies still running at a chunk's forward end, over this many bytes and this share of what a
+# chunk forward releases, say the link does not keep up with the forward (one late layer's bytes are normal)
 TRAILING_MIN_BYTES = 64 * 2**20
-TRAILING_SHARE = 1 / 8
+TRAILING_SHARE = 1 / 4
 
 COUNTERS = (
     "offloaded",
@@ -61,8 +61,10 @@ class StepRecord:
     # host time from the previous recorded step's end to this one's (None for the first): what the stall is compared
     # with (in runs that pause offloading between steps it spans more than one step, so the share reads low)
     host_step_ms: float | None = None
-    # the most bytes still being copied out when one of this step's chunk forwards ended (Transport.trailing_bytes)
+    # the most bytes still being copied out when one of this step's chunk forwards ended (Transport.trailing_bytes),
+    # and how many chunk forwards ended
     trailing_bytes: int = 0
+    forward_ends: int = 0
 
     def total(self, counter: str) -> int:
         return sum(c[counter] for c in self.points.values())
@@ -200,8 +202,9 @@ class OffloadSummary:
                             host_step_ms=None if self._closed_at_ns is None else (now - self._closed_at_ns) / 1e6)
         self._closed_at_ns = now
         record.trailing_bytes = max((t.trailing_bytes for t in transports), default=0)
+        record.forward_ends = sum(t.forward_ends for t in transports)
         for t in transports:
-            t.trailing_bytes = 0
+            t.trailing_bytes = t.forward_ends = 0
         self.steps.append(record)
         self.warn_if_copies_trail(record)
         self._allocations_seen = allocations
@@ -248,19 +251,22 @@ class OffloadSummary:
         return True
 
     def warn_if_copies_trail(self, rec: StepRecord) -> bool:
-        """Once per rank: a warning where at least 64 MiB, and an eighth of what the step's forwards released, were
-        still being copied out when a chunk's forward ended. Those blocks are still allocated at a peak that comes
-        there, so the peak drops by less than the offloaded bytes, and by a different amount from step to step
-        (session 83: A's attention set on a fast host, 22-40 of 50 steps 114-674 MiB higher). True if it warned."""
-        released = rec.total("released_in_forward")
+        """Once per rank: a warning where at least 64 MiB, and a quarter of what one chunk forward releases on
+        average, were still being copied out when a chunk's forward ended. Those blocks are still allocated at a peak
+        that comes there, so the peak drops by less than the offloaded bytes, and by a different amount from step to
+        step (session 83: A's attention set on a fast host, 22-40 of 50 steps 114-674 MiB higher, about 1,335 MiB a
+        forward). The last layer flushed at a forward's end is normally still being copied: that much does not
+        warn. True if it warned."""
+        released = rec.total("released_in_forward") / max(rec.forward_ends, 1)
         if self.trailing_copies_warned or rec.trailing_bytes < max(TRAILING_MIN_BYTES, released * TRAILING_SHARE):
             return False
         self.trailing_copies_warned = True
         logger.warning(
             "offload step %d: %.0f MiB were still being copied to the host when a chunk's forward ended (the link "
             "did not keep up with this forward), so they still counted at a peak there: the peak drops by up to that "
-            "much less than the %.0f MiB offloaded. Offload fewer points, or set MCORE_OFFLOAD_D2H_IN_FLIGHT=1 to "
-            "make the forward wait for the copies (it costs step time)", rec.step, rec.trailing_bytes / 2**20,
+            "much less than the %.0f MiB a forward offloads. Offload fewer points, or set "
+            "MCORE_OFFLOAD_D2H_IN_FLIGHT=1 to make the forward wait for the copies (it costs step time)", rec.step,
+            rec.trailing_bytes / 2**20,
             released / 2**20)
         return True
 

@@ -447,7 +447,7 @@ def test_copied_blocks_are_let_go_in_burst_order_and_the_rest_handed_to_the_allo
 
     bursts = [_Burst(True), _Burst(False), _Burst(True)]
     tensors = [[_Held(1)], [_Held(10), _Held(100)], [_Held(1000)]]
-    t = SimpleNamespace(_held=deque(zip(bursts, tensors)), d2h_stream="d2h", d2h_in_flight=0, trailing_bytes=0)
+    t = SimpleNamespace(_held=deque(zip(bursts, tensors)), d2h_stream="d2h", d2h_in_flight=0, _handed_over=0)
     CudaTransport.release_copied(t)
     # the first burst finished: gone; the second has not, and the third waits behind it (one query per burst)
     assert [b for b, _ in t._held] == bursts[1:]
@@ -459,11 +459,24 @@ def test_copied_blocks_are_let_go_in_burst_order_and_the_rest_handed_to_the_allo
     assert not t._held
     # what was still held goes to the allocator guarded by the copy stream; what was let go earlier is untouched
     assert [h.streams for ts in tensors for h in ts] == [[], ["d2h"], ["d2h"], ["d2h"]]
-    # and its bytes are what trailed this forward; a later forward end with less trailing keeps the step's largest
-    assert t.trailing_bytes == 1110
+    # and its bytes are what it handed over still being copied (end_forward counts them at a forward's end)
+    assert t._handed_over == 1110
+
+
+def test_a_forward_end_counts_what_is_still_being_copied_and_keeps_the_steps_largest():
+    from collections import deque
+
+    from mcore_offload.runtime.transport import CudaTransport
+
+    t = object.__new__(CudaTransport)  # only what end_forward and release_copied touch
+    t._held, t.d2h_stream, t.d2h_in_flight = deque(), "d2h", 0
+    t._held.append((_Burst(False), [_Held(10), _Held(100)]))
+    t.end_forward()
+    t._held.append((_Burst(True), [_Held(7)]))  # finished before the next forward's end: not trailing
     t._held.append((_Burst(False), [_Held(5)]))
-    CudaTransport.release_copied(t, final=True)
-    assert t.trailing_bytes == 1110
+    t.end_forward()
+    t.end_forward()  # nothing held
+    assert (t.forward_ends, t.trailing_bytes) == (3, 110) and not t._held
 
 
 def test_copies_trailing_a_forward_are_a_step_figure_and_warn_once(caplog, monkeypatch):
@@ -472,23 +485,26 @@ def test_copies_trailing_a_forward_are_a_step_figure_and_warn_once(caplog, monke
 
     mib = 2**20
     summary = OffloadSummary()
-    transport = SimpleNamespace(trailing_bytes=0, pool=SimpleNamespace(allocations=0),
+    transport = SimpleNamespace(trailing_bytes=0, forward_ends=0, pool=SimpleNamespace(allocations=0),
                                 telemetry=SimpleNamespace(end_step=lambda step: None, resolve=lambda wait=False: []))
     monkeypatch.setattr(transport_module, "live_transports", lambda: [transport])
-    steps = [(48 * mib, 1024 * mib), (200 * mib, 1024 * mib), (400 * mib, 1024 * mib)]
+    # (trailing, released in the step's 4 forwards): 1335 MiB a forward, as A's attention set; a quarter is 334 MiB
+    steps = [(48 * mib, 4 * 1335 * mib), (200 * mib, 4 * 1335 * mib), (674 * mib, 4 * 1335 * mib),
+             (700 * mib, 4 * 1335 * mib)]
     with caplog.at_level("WARNING", logger="mcore_offload.summary"):
         for trailing, released in steps:
             summary.add("core_attn", "released_in_forward", released)
-            transport.trailing_bytes = trailing
+            transport.trailing_bytes, transport.forward_ends = trailing, 4
             summary.close_step()
-            assert transport.trailing_bytes == 0  # taken by the step
-    assert [s.trailing_bytes for s in summary.steps] == [48 * mib, 200 * mib, 400 * mib]
-    assert summary.link_series()["trailing_bytes"] == [48 * mib, 200 * mib, 400 * mib]
-    # under 64 MiB no warning; 200 MiB of 1024 is over an eighth: one warning, and only one per rank
+            assert transport.trailing_bytes == transport.forward_ends == 0  # taken by the step
+    assert [s.trailing_bytes // mib for s in summary.steps] == [48, 200, 674, 700]
+    assert summary.link_series()["trailing_bytes"] == [s.trailing_bytes for s in summary.steps]
+    assert all(s.forward_ends == 4 for s in summary.steps)
+    # 48 MiB is under 64; 200 MiB is under a quarter of a forward's 1335 (one late layer is normal); 674 warns, once
     assert 48 * mib < TRAILING_MIN_BYTES
     warnings = [r.getMessage() for r in caplog.records if "still being copied" in r.getMessage()]
-    assert len(warnings) == 1 and warnings[0].startswith("offload step 1: 200 MiB were still being copied")
-    assert "MCORE_OFFLOAD_D2H_IN_FLIGHT=1" in warnings[0]
+    assert len(warnings) == 1 and warnings[0].startswith("offload step 2: 674 MiB were still being copied")
+    assert "1335 MiB a forward offloads" in warnings[0] and "MCORE_OFFLOAD_D2H_IN_FLIGHT=1" in warnings[0]
 
 
 def test_the_saved_nothing_line_names_the_usual_cause():

@@ -245,7 +245,7 @@ class OffloadManager:
                 self.early_flushes += 1
         # The output layer and the loss come next, often the step's peak: copied blocks must not wait for the
         # next layer's flush to go back to the allocator.
-        handler.transport.release_copied(final=True)
+        handler.transport.end_forward()
         self.summary.runtime_ns += perf_counter_ns() - t0
 
     def handler_for(self, config: Any, name: str | None) -> ChunkOffloadHandler | None:
@@ -335,7 +335,7 @@ class OffloadManager:
             fwd.flush()
         if not handler.backward_started:
             # A model that never called end_chunk: its forward's copied blocks go back before its backward.
-            handler.transport.release_copied(final=True)
+            handler.transport.end_forward()
             self._look_again(handler)
         self._forward_ended(handler)
 

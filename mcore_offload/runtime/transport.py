@@ -84,9 +84,12 @@ class Transport:
 
     d2h_in_flight = 0  # MCORE_OFFLOAD_D2H_IN_FLIGHT (CudaTransport.bound_in_flight); 0: no bound
     in_flight_waits = 0  # the compute stream's waits for copy-out bursts under that bound
-    # the most bytes whose copy-out was still running when a chunk's forward ended, since the summary last took it
-    # (OffloadSummary.close_step): they were still allocated then, where the step's peak usually comes
+    # what end_forward saw since the summary last took it (OffloadSummary.close_step): the chunk forwards that ended,
+    # and the most bytes whose copy-out was still running at one of those ends (still allocated then, where the
+    # step's peak usually comes)
+    forward_ends = 0
     trailing_bytes = 0
+    _handed_over = 0  # bytes the last release_copied(final=True) handed to the allocator still being copied
 
     def __init__(self) -> None:
         self.pool = HostBufferPool(pin=False)
@@ -146,6 +149,15 @@ class Transport:
 
     def release_copied(self, final: bool = False) -> None:
         """Let go of the device blocks whose copy to the host has finished (``final``: of all of them)."""
+
+    def end_forward(self) -> None:
+        """A chunk's forward ended (the output layer and the loss, often the step's peak, come next): every copied
+        block goes back to the allocator now (:meth:`release_copied` ``final``), and what was still being copied is
+        counted (``trailing_bytes``)."""
+        self._handed_over = 0
+        self.release_copied(final=True)
+        self.forward_ends += 1
+        self.trailing_bytes = max(self.trailing_bytes, self._handed_over)
 
     def release_host(self, buf: torch.Tensor, h2d_event: object) -> None:
         self.pool.release(buf, h2d_event)
@@ -332,14 +344,13 @@ class CudaTransport(Transport):
                 self._wait_for_held(len(held))
                 return
             stream = self.d2h_stream
-            trailing = 0
+            handed = 0
             for _, tensors in held:
                 for t in tensors:
                     t.record_stream(stream)  # the allocator must not reuse the block before the copy read it
-                    trailing += t.untyped_storage().nbytes()
+                    handed += t.untyped_storage().nbytes()
             held.clear()
-            # the link did not keep up with this forward: these blocks count at a peak that comes now
-            self.trailing_bytes = max(self.trailing_bytes, trailing)
+            self._handed_over = handed  # at a forward's end (end_forward): still allocated at a peak that comes now
 
     def synchronize(self):
         self.d2h_stream.synchronize()
