@@ -447,20 +447,20 @@ def test_copied_blocks_are_let_go_in_burst_order_and_the_rest_handed_to_the_allo
 
     bursts = [_Burst(True), _Burst(False), _Burst(True)]
     tensors = [[_Held(1)], [_Held(10), _Held(100)], [_Held(1000)]]
-    t = SimpleNamespace(_held=deque(zip(bursts, tensors)), d2h_stream="d2h", d2h_in_flight=0, _handed_over=0)
-    CudaTransport.release_copied(t)
+    t = SimpleNamespace(_held=deque(zip(bursts, tensors)), d2h_stream="d2h", d2h_in_flight=0)
+    assert CudaTransport.release_copied(t) == 0
     # the first burst finished: gone; the second has not, and the third waits behind it (one query per burst)
     assert [b for b, _ in t._held] == bursts[1:]
     assert [b.queries for b in bursts] == [1, 1, 0]
     # the burst seen complete is marked: its reloads need not wait on it
     assert [b.seen_done for b in bursts] == [True, False, False]
     assert all(not h.streams for ts in tensors for h in ts)
-    CudaTransport.release_copied(t, final=True)
+    handed = CudaTransport.release_copied(t, final=True)
     assert not t._held
     # what was still held goes to the allocator guarded by the copy stream; what was let go earlier is untouched
     assert [h.streams for ts in tensors for h in ts] == [[], ["d2h"], ["d2h"], ["d2h"]]
     # and its bytes are what it handed over still being copied (end_forward counts them at a forward's end)
-    assert t._handed_over == 1110
+    assert handed == 1110
 
 
 def test_a_forward_end_counts_what_is_still_being_copied_and_keeps_the_steps_largest():

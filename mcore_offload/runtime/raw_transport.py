@@ -111,8 +111,8 @@ class RawCudaTransport(CoalescedReloads, CudaTransport):
         native = None if final else self._native_bursts()
         if native is not None:
             native.release_copied(self)
-        else:
-            super().release_copied(final)
+            return 0
+        return super().release_copied(final)
 
     def to_host(self, storages, keep_alive, routed):
         native = self._native_bursts()

@@ -89,7 +89,6 @@ class Transport:
     # step's peak usually comes)
     forward_ends = 0
     trailing_bytes = 0
-    _handed_over = 0  # bytes the last release_copied(final=True) handed to the allocator still being copied
 
     def __init__(self) -> None:
         self.pool = HostBufferPool(pin=False)
@@ -147,17 +146,18 @@ class Transport:
         self._waited_seq[stream] = seq
         self.wait(event)
 
-    def release_copied(self, final: bool = False) -> None:
-        """Let go of the device blocks whose copy to the host has finished (``final``: of all of them)."""
+    def release_copied(self, final: bool = False) -> int:
+        """Let go of the device blocks whose copy to the host has finished (``final``: of all of them); return the
+        bytes handed over while still being copied (none here: the copies are synchronous)."""
+        return 0
 
     def end_forward(self) -> None:
         """A chunk's forward ended (the output layer and the loss, often the step's peak, come next): every copied
         block goes back to the allocator now (:meth:`release_copied` ``final``), and what was still being copied is
         counted (``trailing_bytes``)."""
-        self._handed_over = 0
-        self.release_copied(final=True)
+        still_copying = self.release_copied(final=True)
         self.forward_ends += 1
-        self.trailing_bytes = max(self.trailing_bytes, self._handed_over)
+        self.trailing_bytes = max(self.trailing_bytes, still_copying)
 
     def release_host(self, buf: torch.Tensor, h2d_event: object) -> None:
         self.pool.release(buf, h2d_event)
@@ -325,7 +325,8 @@ class CudaTransport(Transport):
         self.in_flight_waits += 1
 
     def release_copied(self, final=False):
-        """Drop our references to the device blocks whose D2H burst has finished, oldest burst first.
+        """Drop our references to the device blocks whose D2H burst has finished, oldest burst first; return the bytes
+        of the blocks handed to the allocator still being copied (``final`` only).
 
         Why not ``record_stream``: with it, every free of a copied block records an allocator event, and every
         allocation while that event is pending queries it: tens of CUDA calls per layer in a launch-bound step
@@ -341,8 +342,8 @@ class CudaTransport(Transport):
             held.popleft()[0].seen_done = True  # reloads of these blocks need not wait on it (RawCudaTransport)
         if final and held:
             if self.d2h_in_flight:
-                self._wait_for_held(len(held))
-                return
+                self._wait_for_held(len(held))  # the compute stream waits for them: nothing is handed over
+                return 0
             stream = self.d2h_stream
             handed = 0
             for _, tensors in held:
@@ -350,7 +351,8 @@ class CudaTransport(Transport):
                     t.record_stream(stream)  # the allocator must not reuse the block before the copy read it
                     handed += t.untyped_storage().nbytes()
             held.clear()
-            self._handed_over = handed  # at a forward's end (end_forward): still allocated at a peak that comes now
+            return handed  # at a forward's end (end_forward): still allocated at a peak that comes now
+        return 0
 
     def synchronize(self):
         self.d2h_stream.synchronize()
