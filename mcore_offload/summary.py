@@ -199,12 +199,10 @@ class OffloadSummary:
         now = perf_counter_ns()
         record = StepRecord(len(self.steps), aborted, points, allocations - self._allocations_seen,
                             runtime_cpu_ms=self.runtime_total_ns() / 1e6,
-                            host_step_ms=None if self._closed_at_ns is None else (now - self._closed_at_ns) / 1e6)
+                            host_step_ms=None if self._closed_at_ns is None else (now - self._closed_at_ns) / 1e6,
+                            trailing_bytes=max((t.trailing_bytes for t in transports), default=0),
+                            forward_ends=sum(t.forward_ends for t in transports))
         self._closed_at_ns = now
-        record.trailing_bytes = max((t.trailing_bytes for t in transports), default=0)
-        record.forward_ends = sum(t.forward_ends for t in transports)
-        for t in transports:
-            t.trailing_bytes = t.forward_ends = 0
         self.steps.append(record)
         self.warn_if_copies_trail(record)
         self._allocations_seen = allocations
@@ -214,6 +212,7 @@ class OffloadSummary:
             self.native_clock.take()
         for t in transports:
             t.telemetry.end_step(record.step)
+            t.trailing_bytes = t.forward_ends = 0  # taken by this record
         self.resolve_link()
 
     def resolve_link(self, wait: bool = False) -> None:
