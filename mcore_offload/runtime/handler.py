@@ -103,6 +103,9 @@ class ChunkOffloadHandler(SecondLook, Prefetch, HandlerBase):
         self.reload_bursts = 0  # reload bursts _prefetch started in this chunk's backward
         self.marks = None  # auto probe: clock marks of this forward (see runtime/auto.py)
         self.held_back: list[Group] = []  # see SecondLook
+        # its forward's end went through Transport.end_forward (end_chunk, or else its backward's start): once a
+        # chunk forward, so that the summary's forward count, the trailing warning's denominator, is not tripled
+        self.forward_end_counted = False
         self.looking_again = False
         # TE attributes that inherited code may read
         self.current_group, self.tensor_count_current_group = 0, 0

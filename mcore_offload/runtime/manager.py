@@ -246,6 +246,7 @@ class OffloadManager:
         # The output layer and the loss come next, often the step's peak: copied blocks must not wait for the
         # next layer's flush to go back to the allocator.
         handler.transport.end_forward()
+        handler.forward_end_counted = True
         self.summary.runtime_ns += perf_counter_ns() - t0
 
     def handler_for(self, config: Any, name: str | None) -> ChunkOffloadHandler | None:
@@ -334,8 +335,14 @@ class OffloadManager:
         elif fwd is not None and fwd.pending:
             fwd.flush()
         if not handler.backward_started:
-            # A model that never called end_chunk: its forward's copied blocks go back before its backward.
-            handler.transport.end_forward()
+            # A model that never called end_chunk: its forward's copied blocks go back before its backward. This
+            # runs twice per chunk (the output's gradient, then the last group's commit) after end_chunk's own
+            # end_forward: only the first of them all counts as the forward's end.
+            if handler.forward_end_counted:
+                handler.transport.release_copied(final=True)
+            else:
+                handler.transport.end_forward()
+                handler.forward_end_counted = True
             self._look_again(handler)
         self._forward_ended(handler)
 
