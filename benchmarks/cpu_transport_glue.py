@@ -165,6 +165,7 @@ def stub_transport(rt: cudart.CudaRuntime, device_index: int = 0, native: bool =
     t._d2h_handle, t._h2d_handle = 1, 2
     t._held, t._streams = collections.deque(), {}
     t.d2h_in_flight = transport_module.d2h_in_flight_from_env()
+    t.wait_at_forward_end = transport_module.forward_end_from_env() == "wait"
     t.coalesce, t._slices_left, t._last_h2d_done = coalesce_reloads(), {}, None
     t._compute_handle = lambda: 3
     return t

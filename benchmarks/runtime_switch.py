@@ -15,7 +15,9 @@ and whether
 the offload points' forward glue is the C++ one (``native_points``, ``on`` or ``off``; ``MCORE_OFFLOAD_NATIVE_POINTS``:
 each step's hooks are registered and run within it), and how many copy-out bursts may be in flight
 (``d2h_in_flight``, ``MCORE_OFFLOAD_D2H_IN_FLIGHT``: ``0`` for no bound; the transports read it at every burst, and a
-step's end leaves none in flight either way), and whether a SequentialMLP's experts share one group per layer
+step's end leaves none in flight either way), what a chunk's forward end does with the copy-out bursts still running
+(``forward_end``, ``MCORE_OFFLOAD_FORWARD_END``: ``hand-over`` or ``wait``; read at each forward end), and whether a
+SequentialMLP's experts share one group per layer
 (``expert_loop``, ``MCORE_OFFLOAD_EXPERT_LOOP``: ``1`` or ``0``; read at each loop's entry). Benchmark tooling only:
 the library never imports it.
 """
@@ -31,7 +33,7 @@ from typing import Any
 SWITCHABLE: dict[str, tuple[str, ...] | None] = {"flush_layers": None, "reload_layers": None,
                                                  "prefetch": ("layer", "tail", "late"), "native_points": ("on", "off"),
                                                  "split_chains": ("1", "0"), "d2h_in_flight": ("0", "1", "2", "4"),
-                                                 "expert_loop": ("1", "0")}
+                                                 "expert_loop": ("1", "0"), "forward_end": ("hand-over", "wait")}
 
 
 def _get(manager: Any, key: str) -> int | str:
@@ -41,6 +43,11 @@ def _get(manager: Any, key: str) -> int | str:
 
         made = live_transports()
         return str(made[0].d2h_in_flight if made else d2h_in_flight_from_env())
+    if key == "forward_end":
+        from mcore_offload.runtime.transport import forward_end_from_env, live_transports
+
+        made = live_transports()
+        return ("wait" if made[0].wait_at_forward_end else "hand-over") if made else forward_end_from_env()
     value = getattr(manager, key)
     if key in ("split_chains", "expert_loop"):
         return "1" if value else "0"
@@ -55,6 +62,13 @@ def _set(manager: Any, key: str, value: int | str) -> None:
         os.environ[D2H_IN_FLIGHT_VARIABLE] = str(value)
         for t in live_transports():
             t.d2h_in_flight = int(value)
+        return
+    if key == "forward_end":
+        from mcore_offload.runtime.transport import FORWARD_END_VARIABLE, live_transports
+
+        os.environ[FORWARD_END_VARIABLE] = str(value)
+        for t in live_transports():
+            t.wait_at_forward_end = value == "wait"
         return
     if key == "native_points":
         if value == "on" and manager.native is None:

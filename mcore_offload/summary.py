@@ -262,9 +262,10 @@ class OffloadSummary:
         self.trailing_copies_warned = True
         logger.warning(
             "offload step %d: %.0f MiB were still being copied to the host when a chunk's forward ended (the link "
-            "did not keep up with this forward), so they still counted at a peak there: the peak drops by up to that "
-            "much less than the %.0f MiB a forward offloads. Offload fewer points, or set "
-            "MCORE_OFFLOAD_D2H_IN_FLIGHT=1 to make the forward wait for the copies (it costs step time)", rec.step,
+            "behind the forward, or the host ahead of the GPU), so they still counted at a peak there: the peak drops "
+            "by up to that much less than the %.0f MiB a forward offloads. Set MCORE_OFFLOAD_FORWARD_END=wait (the "
+            "compute stream waits for those copies at the forward's end) or MCORE_OFFLOAD_D2H_IN_FLIGHT=1 (and for "
+            "older bursts during it), either of which may cost step time, or offload fewer points", rec.step,
             rec.trailing_bytes / 2**20,
             released / 2**20)
         return True
@@ -330,10 +331,12 @@ class OffloadSummary:
 
         transports = live_transports()
         bound = max((t.d2h_in_flight for t in transports), default=0)
+        waits = sum(t.in_flight_waits for t in transports)
         if bound:
-            waits = sum(t.in_flight_waits for t in transports)
             lines.append(f"copy-out bound: {bound} burst(s) in flight (MCORE_OFFLOAD_D2H_IN_FLIGHT), "
                          f"{waits} waits so far")
+        elif any(t.wait_at_forward_end for t in transports):
+            lines.append(f"copy-out waited for at forward ends (MCORE_OFFLOAD_FORWARD_END=wait), {waits} waits so far")
         return "\n".join(lines)
 
 

@@ -39,11 +39,14 @@ def _launches(tmp_path: Path, variants: str) -> list[tuple[dict[str, str], str]]
 
 
 def test_variant_suffixes_and_prefixes_set_their_switches(tmp_path):
-    runs = _launches(tmp_path, "sw_attn alt_attn_nosplit alt_attn_nolook alt_attn alt_attn_ifl1 alt_attn_ifl12")
-    assert len(runs) == 6
-    (sw, sw_args), (nosplit, _), (nolook, _), (plain, plain_args), (ifl1, _), (ifl12, _) = runs
+    runs = _launches(tmp_path, "sw_attn alt_attn_nosplit alt_attn_nolook alt_attn alt_attn_ifl1 alt_attn_ifl12 "
+                               "alt_attn_few")
+    assert len(runs) == 7
+    (sw, sw_args), (nosplit, _), (nolook, _), (plain, plain_args), (ifl1, _), (ifl12, _), (few, _) = runs
     assert ifl1["MCORE_OFFLOAD_D2H_IN_FLIGHT"] == "1" and ifl12["MCORE_OFFLOAD_D2H_IN_FLIGHT"] == "12"
     assert "MCORE_OFFLOAD_D2H_IN_FLIGHT" not in plain
+    assert few["MCORE_OFFLOAD_FORWARD_END"] == "wait" and "MCORE_OFFLOAD_D2H_IN_FLIGHT" not in few
+    assert "MCORE_OFFLOAD_FORWARD_END" not in plain
     # a switching run times every third step, so GPU-timed steps fall on both sides of the switch
     assert sw["MCORE_OFFLOAD_TELEMETRY_EVERY"] == "3" and "--alternate-runtime" in sw_args
     assert nosplit["MCORE_OFFLOAD_SPLIT_CHAINS"] == "0" and "MCORE_OFFLOAD_SECOND_LOOK" not in nosplit

@@ -447,7 +447,8 @@ def test_copied_blocks_are_let_go_in_burst_order_and_the_rest_handed_to_the_allo
 
     bursts = [_Burst(True), _Burst(False), _Burst(True)]
     tensors = [[_Held(1)], [_Held(10), _Held(100)], [_Held(1000)]]
-    t = SimpleNamespace(_held=deque(zip(bursts, tensors)), d2h_stream="d2h", d2h_in_flight=0)
+    t = SimpleNamespace(_held=deque(zip(bursts, tensors)), d2h_stream="d2h", d2h_in_flight=0,
+                        wait_at_forward_end=False)
     assert CudaTransport.release_copied(t) == 0
     # the first burst finished: gone; the second has not, and the third waits behind it (one query per burst)
     assert [b for b, _ in t._held] == bursts[1:]
@@ -505,6 +506,7 @@ def test_copies_trailing_a_forward_are_a_step_figure_and_warn_once(caplog, monke
     warnings = [r.getMessage() for r in caplog.records if "still being copied" in r.getMessage()]
     assert len(warnings) == 1 and warnings[0].startswith("offload step 2: 674 MiB were still being copied")
     assert "1335 MiB a forward offloads" in warnings[0] and "MCORE_OFFLOAD_D2H_IN_FLIGHT=1" in warnings[0]
+    assert "MCORE_OFFLOAD_FORWARD_END=wait" in warnings[0]
 
 
 def test_the_saved_nothing_line_names_the_usual_cause():

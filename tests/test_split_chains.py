@@ -116,6 +116,26 @@ def test_the_runtime_switch_turns_the_split_off_and_on_between_steps(monkeypatch
         parse_settings(["split_chains=on"])
 
 
+def _switch_transport_setting(monkeypatch, variable, default, setting, made, read):
+    """Three steps of benchmarks/runtime_switch.py with ``setting`` under test (first and third) on one stand-in
+    transport ``made``: per step, ``read(made)`` and the variable's value as the runtime reads it; and the switch."""
+    from mcore_offload.runtime import transport as transport_module
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from runtime_switch import RuntimeSwitch, parse_settings
+
+    manager_module.reset()
+    monkeypatch.setenv(variable, default)  # set here so that the switch's own setting is undone after the test
+    monkeypatch.setattr(transport_module, "_TRANSPORTS", {"cuda:0": made})
+    switch = RuntimeSwitch(parse_settings([setting]))
+    seen = []
+    for under_test in (True, False, True):
+        switch.start_step(under_test)
+        seen.append(read(made))
+        switch.end_step()
+    return seen, switch
+
+
 def test_the_runtime_switch_bounds_the_copy_out_bursts_in_flight_between_steps(monkeypatch):
     """benchmarks/runtime_switch.py ``d2h_in_flight``: the bound of MCORE_OFFLOAD_D2H_IN_FLIGHT set on every transport
     made so far, and in the variable for those made later; the runtime's own value back in the other steps."""
@@ -123,22 +143,31 @@ def test_the_runtime_switch_bounds_the_copy_out_bursts_in_flight_between_steps(m
 
     from mcore_offload.runtime import transport as transport_module
 
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    from runtime_switch import RuntimeSwitch, parse_settings
-
-    manager_module.reset()
-    # set here so that the switch's own setting of the variable is undone after the test
-    monkeypatch.setenv(transport_module.D2H_IN_FLIGHT_VARIABLE, "0")
-    made = SimpleNamespace(d2h_in_flight=0)
-    monkeypatch.setattr(transport_module, "_TRANSPORTS", {"cuda:0": made})
-    switch = RuntimeSwitch(parse_settings(["d2h_in_flight=1"]))
-    held, env = [], []
-    for under_test in (True, False, True):
-        switch.start_step(under_test)
-        held.append(made.d2h_in_flight)
-        env.append(transport_module.d2h_in_flight_from_env())
-        switch.end_step()
-    assert held == env == [1, 0, 1]
+    seen, switch = _switch_transport_setting(
+        monkeypatch, transport_module.D2H_IN_FLIGHT_VARIABLE, "0", "d2h_in_flight=1", SimpleNamespace(d2h_in_flight=0),
+        lambda made: (made.d2h_in_flight, transport_module.d2h_in_flight_from_env()))
+    assert seen == [(1, 1), (0, 0), (1, 1)]
     assert switch.held == [{"d2h_in_flight": "1"}, {"d2h_in_flight": "0"}, {"d2h_in_flight": "1"}]
+    from runtime_switch import parse_settings
+
     with pytest.raises(ValueError, match="d2h_in_flight must be one of 0, 1, 2, 4"):
         parse_settings(["d2h_in_flight=3"])
+
+
+def test_the_runtime_switch_makes_forward_ends_wait_for_the_copies_between_steps(monkeypatch):
+    """benchmarks/runtime_switch.py ``forward_end``: MCORE_OFFLOAD_FORWARD_END set on every transport made so far, and
+    in the variable for those made later; hand-over back in the other steps."""
+    from types import SimpleNamespace
+
+    from mcore_offload.runtime import transport as transport_module
+
+    seen, switch = _switch_transport_setting(
+        monkeypatch, transport_module.FORWARD_END_VARIABLE, "hand-over", "forward_end=wait",
+        SimpleNamespace(wait_at_forward_end=False),
+        lambda made: (made.wait_at_forward_end, transport_module.forward_end_from_env()))
+    assert seen == [(True, "wait"), (False, "hand-over"), (True, "wait")]
+    assert switch.held == [{"forward_end": "wait"}, {"forward_end": "hand-over"}, {"forward_end": "wait"}]
+    from runtime_switch import parse_settings
+
+    with pytest.raises(ValueError, match="forward_end must be one of hand-over, wait"):
+        parse_settings(["forward_end=late"])

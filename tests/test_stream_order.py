@@ -74,25 +74,21 @@ def test_every_host_buffer_hand_off_is_ordered_by_events(monkeypatch, logging_ru
     assert "copy-out bound" not in get_summary().table()  # no bound unless MCORE_OFFLOAD_D2H_IN_FLIGHT is set
 
 
-@pytest.mark.parametrize("limit", ["1", "2"])
-def test_a_bound_on_bursts_in_flight_behind_a_slow_link_keeps_the_hand_offs_and_the_numbers(monkeypatch,
-                                                                                          logging_runtime, limit):
-    """MCORE_OFFLOAD_D2H_IN_FLIGHT with no event ever seen complete (the stub reads every query "not ready"): the
-    compute stream waits for copy-out bursts in the forward and at each chunk's end, no block goes back through
-    ``record_stream`` (the CPU tensors here would refuse it), every host-buffer hand-off stays ordered, and the losses
-    and gradients equal the run without offloading."""
+def _behind_a_busy_link(monkeypatch, rt, variable, value, steps=3, microbatches=2):
+    """The attention set's toy steps with ``variable=value`` on the stub runtime, every event query answered "not
+    ready" (a link that never finishes): asserts the losses and gradients equal the run without offloading, every
+    host-buffer hand-off ordered and nothing left held; returns the transport and the compute stream's waits for
+    copy-out bursts."""
     names = ["qkv_linear", "core_attn", "attn_proj"]
-    base = toy_steps(Toy(cfg(), layers=6), steps=3)
-    monkeypatch.setenv("MCORE_OFFLOAD_D2H_IN_FLIGHT", limit)
+    base = toy_steps(Toy(cfg(), layers=6), steps=steps, microbatches=microbatches)
+    monkeypatch.setenv(variable, value)
     manager_module.reset()
-    rt = logging_runtime
     t = cpu_transport_glue.stub_transport(rt, -1, native=True, timed_from_start=True)
-    assert t.d2h_in_flight == int(limit)
     transport_module._TRANSPORTS[torch.device("cpu")] = t
     cpu_transport_glue.stub_calls(rt)
     cpu_transport_glue.stub_set_busy(rt, True)
     try:
-        got = toy_steps(Toy(cfg(*names), layers=6), steps=3)
+        got = toy_steps(Toy(cfg(*names), layers=6), steps=steps, microbatches=microbatches)
     finally:
         cpu_transport_glue.stub_set_busy(rt, False)
     calls = cpu_transport_glue.stub_calls(rt)
@@ -100,15 +96,46 @@ def test_a_bound_on_bursts_in_flight_behind_a_slow_link_keeps_the_hand_offs_and_
         assert all(torch.equal(a, b) for a, b in zip(l0, l1))
         assert all(torch.equal(a, b) for a, b in zip(g0, g1))
     assert hazards(calls, host_ranges(t)) == []
-    d2h_done = {c[1] for i, c in enumerate(calls) if c[0] == "record" and c[2] == t._d2h_handle}
-    forward_waits = [c for c in calls if c[0] == "wait" and c[1] == 3 and c[2] in d2h_done]
-    assert t.in_flight_waits > 0 and len(forward_waits) == t.in_flight_waits
     assert not t._held
+    d2h_done = {c[1] for c in calls if c[0] == "record" and c[2] == t._d2h_handle}
+    return t, [c for c in calls if c[0] == "wait" and c[1] == 3 and c[2] in d2h_done]
+
+
+@pytest.mark.parametrize("limit", ["1", "2"])
+def test_a_bound_on_bursts_in_flight_behind_a_slow_link_keeps_the_hand_offs_and_the_numbers(monkeypatch,
+                                                                                          logging_runtime, limit):
+    """MCORE_OFFLOAD_D2H_IN_FLIGHT with no event ever seen complete: the compute stream waits for copy-out bursts in
+    the forward and at each chunk's end, and no block goes back through ``record_stream`` (the CPU tensors here would
+    refuse it)."""
+    t, compute_waits = _behind_a_busy_link(monkeypatch, logging_runtime, "MCORE_OFFLOAD_D2H_IN_FLIGHT", limit)
+    assert t.d2h_in_flight == int(limit)
+    assert t.in_flight_waits > 6 and len(compute_waits) == t.in_flight_waits  # more than one a forward
     from mcore_offload.summary import get_summary
 
     table = get_summary().table()
     assert (f"copy-out bound: {limit} burst(s) in flight (MCORE_OFFLOAD_D2H_IN_FLIGHT), {t.in_flight_waits} waits"
             in table)
+
+
+def test_waiting_at_forward_ends_only_keeps_the_hand_offs_and_the_numbers(monkeypatch, logging_runtime):
+    """MCORE_OFFLOAD_FORWARD_END=wait behind a link that never finishes: no wait inside a forward, one wait of the
+    compute stream for the copy-out at each microbatch's forward end, and nothing handed to the allocator."""
+    t, compute_waits = _behind_a_busy_link(monkeypatch, logging_runtime, "MCORE_OFFLOAD_FORWARD_END", "wait",
+                                           steps=3, microbatches=2)
+    assert t.d2h_in_flight == 0 and t.wait_at_forward_end
+    assert t.in_flight_waits == 3 * 2 == len(compute_waits)
+    from mcore_offload.summary import get_summary
+
+    table = get_summary().table()
+    assert "copy-out bound" not in table
+    assert f"copy-out waited for at forward ends (MCORE_OFFLOAD_FORWARD_END=wait), {t.in_flight_waits} waits" in table
+
+
+def test_a_bad_forward_end_choice_is_one_sentence(monkeypatch):
+    monkeypatch.setenv("MCORE_OFFLOAD_FORWARD_END", "late")
+    with pytest.raises(ValueError, match=r"MCORE_OFFLOAD_FORWARD_END='late' is not one of hand-over, wait; set wait"):
+        manager_module.reset()
+        manager_module.get_manager()
 
 
 def test_a_reused_buffer_waits_for_its_reload_unless_the_compute_stream_already_did(logging_runtime):

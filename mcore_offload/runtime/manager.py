@@ -31,7 +31,12 @@ from mcore_offload.runtime.host_pool import host_memory_kind
 from mcore_offload.runtime.native import load_native
 from mcore_offload.runtime.saved import CHAIN_NEXT, Entry, Group, saved_nothing_line
 from mcore_offload.runtime.side_streams import side_stream_kind
-from mcore_offload.runtime.transport import d2h_in_flight_from_env, reset_transports, settle_pools
+from mcore_offload.runtime.transport import (
+    d2h_in_flight_from_env,
+    forward_end_from_env,
+    reset_transports,
+    settle_pools,
+)
 from mcore_offload.summary import OffloadSummary
 
 logger = logging.getLogger(__name__)
@@ -126,6 +131,7 @@ class OffloadManager:
         self.host_memory = host_memory_kind()  # a bad MCORE_OFFLOAD_HOST_MEMORY fails here, before any step
         self.side_streams = side_stream_kind()  # and a bad MCORE_OFFLOAD_SIDE_STREAMS
         d2h_in_flight_from_env()  # and a bad MCORE_OFFLOAD_D2H_IN_FLIGHT (the transports read it when made)
+        forward_end_from_env()  # and MCORE_OFFLOAD_FORWARD_END
         # the C++ saved-tensor hooks (runtime/native), or None: the Python ones (MCORE_OFFLOAD_NATIVE)
         self.native = load_native()
         if self.native is not None:  # the C++ paths add their host time to an int64 (summary_calls.cpp)

@@ -74,6 +74,23 @@ def d2h_in_flight_from_env() -> int:
     return value
 
 
+FORWARD_END_VARIABLE = "MCORE_OFFLOAD_FORWARD_END"
+FORWARD_END_CHOICES = ("hand-over", "wait")
+
+
+def forward_end_from_env() -> str:
+    """``MCORE_OFFLOAD_FORWARD_END``: what a chunk's forward end does with the copy-out bursts still running.
+    ``hand-over`` (the default) gives their blocks to the allocator with ``record_stream``; ``wait`` makes the compute
+    stream wait for them on the GPU, as ``MCORE_OFFLOAD_D2H_IN_FLIGHT`` does, without bounding the bursts in between
+    (see :meth:`CudaTransport.release_copied`). A bad value is one clear sentence."""
+    raw = os.environ.get(FORWARD_END_VARIABLE, "hand-over")
+    if raw not in FORWARD_END_CHOICES:
+        raise ValueError(f"{FORWARD_END_VARIABLE}={raw!r} is not one of {', '.join(FORWARD_END_CHOICES)}; set "
+                         "wait to make the compute stream wait for the copies still running when a chunk's forward "
+                         "ends (its peak then drops by every offloaded byte), or unset it for hand-over.")
+    return raw
+
+
 class Transport:
     """Synchronous copies for CPU tensors (tests); subclassed for CUDA.
 
@@ -83,7 +100,10 @@ class Transport:
     """
 
     d2h_in_flight = 0  # MCORE_OFFLOAD_D2H_IN_FLIGHT (CudaTransport.bound_in_flight); 0: no bound
-    in_flight_waits = 0  # the compute stream's waits for copy-out bursts under that bound
+    in_flight_waits = 0  # the compute stream's waits for copy-out bursts under that bound (or at forward ends)
+    # MCORE_OFFLOAD_FORWARD_END=wait: at a forward's end the compute stream waits for the bursts still running instead
+    # of handing their blocks to the allocator (as it does under any MCORE_OFFLOAD_D2H_IN_FLIGHT bound)
+    wait_at_forward_end = False
     # what end_forward saw since the summary last took it (OffloadSummary.close_step): the chunk forwards that ended,
     # and the most bytes whose copy-out was still running at one of those ends (still allocated then, where the
     # step's peak usually comes)
@@ -197,6 +217,7 @@ class CudaTransport(Transport):
         # (done event, the device tensors it read) per D2H burst, oldest first: see release_copied
         self._held: deque[tuple[object, list[torch.Tensor]]] = deque()
         self.d2h_in_flight = d2h_in_flight_from_env()
+        self.wait_at_forward_end = forward_end_from_env() == "wait"
 
     @staticmethod
     def _timing_event() -> torch.cuda.Event:
@@ -334,14 +355,18 @@ class CudaTransport(Transport):
         made at the next burst or reload; their blocks go back to the allocator then. ``final`` (a chunk's forward
         ended, a step ended): the bursts still in flight are handed to the allocator with ``record_stream``, as
         before, so their memory comes back as soon as the copy has read it, with no later poll needed. Under
-        ``MCORE_OFFLOAD_D2H_IN_FLIGHT`` the compute stream waits for them instead (:meth:`bound_in_flight`): a
-        pending allocator event makes the allocator synchronise with the host when memory runs short (session 57).
+        ``MCORE_OFFLOAD_D2H_IN_FLIGHT`` or ``MCORE_OFFLOAD_FORWARD_END=wait`` the compute stream waits for them
+        instead (:meth:`bound_in_flight`): a pending allocator event makes the allocator synchronise with the host when
+        memory runs short (session 57), and the allocator sees it complete only from the host, so where the host runs
+        ahead of the GPU (GPU-bound steps) none of those blocks is reused by the backward's first allocations, which
+        take new memory: B's attention set handed over all 1312 MiB a forward offloads and its peak fell by 750
+        (session 84); after a wait on the GPU the blocks are reusable in stream order at once (Δpeak 1150).
         """
         held = self._held
         while held and held[0][0].query():
             held.popleft()[0].seen_done = True  # reloads of these blocks need not wait on it (RawCudaTransport)
         if final and held:
-            if self.d2h_in_flight:
+            if self.d2h_in_flight or self.wait_at_forward_end:
                 self._wait_for_held(len(held))  # the compute stream waits for them: nothing is handed over
                 return 0
             stream = self.d2h_stream
