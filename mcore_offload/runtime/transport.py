@@ -357,10 +357,11 @@ class CudaTransport(Transport):
         before, so their memory comes back as soon as the copy has read it, with no later poll needed. Under
         ``MCORE_OFFLOAD_D2H_IN_FLIGHT`` or ``MCORE_OFFLOAD_FORWARD_END=wait`` the compute stream waits for them
         instead (:meth:`bound_in_flight`): a pending allocator event makes the allocator synchronise with the host when
-        memory runs short (session 57), and the allocator sees it complete only from the host, so where the host runs
-        ahead of the GPU (GPU-bound steps) none of those blocks is reused by the backward's first allocations, which
-        take new memory: B's attention set handed over all 1312 MiB a forward offloads and its peak fell by 750
-        (session 84); after a wait on the GPU the blocks are reusable in stream order at once (Δpeak 1150).
+        memory runs short (session 57), and the allocator sees it complete only from the host, so a peak that comes
+        soon after the forward's end still holds those blocks (session 83's A on a fast host); after a wait on the GPU
+        they are reusable in stream order at once. Where the host runs ahead of the GPU (GPU-bound steps), it sees no
+        burst complete during the forward either, and without the bound no block goes before the forward's end
+        (session 84's B: Δpeak 750 of 1312 MiB unbounded, 1150 with ``MCORE_OFFLOAD_D2H_IN_FLIGHT=1``).
         """
         held = self._held
         while held and held[0][0].query():
