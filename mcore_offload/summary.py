@@ -30,7 +30,8 @@ logger = logging.getLogger(__name__)
 EXPOSED_STALL_SHARE = 0.25
 EXPOSED_STALL_MIN_MS = 10.0
 # warn_if_copies_trail: copies still running at a chunk's forward end, over this many bytes and this share of what a
-# chunk forward releases, say the link does not keep up with the forward (one late layer's bytes are normal)
+# chunk forward releases, say the copies did not keep up with the forward as the host saw it (a slow link, or a host
+# ahead of the GPU; one late layer's bytes are normal)
 TRAILING_MIN_BYTES = 64 * 2**20
 TRAILING_SHARE = 1 / 4
 

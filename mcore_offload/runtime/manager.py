@@ -251,8 +251,7 @@ class OffloadManager:
                 self.early_flushes += 1
         # The output layer and the loss come next, often the step's peak: copied blocks must not wait for the
         # next layer's flush to go back to the allocator.
-        handler.transport.end_forward()
-        handler.forward_end_counted = True
+        self._forward_end(handler)
         self.summary.runtime_ns += perf_counter_ns() - t0
 
     def handler_for(self, config: Any, name: str | None) -> ChunkOffloadHandler | None:
@@ -341,16 +340,21 @@ class OffloadManager:
         elif fwd is not None and fwd.pending:
             fwd.flush()
         if not handler.backward_started:
-            # A model that never called end_chunk: its forward's copied blocks go back before its backward. This
-            # runs twice per chunk (the output's gradient, then the last group's commit) after end_chunk's own
-            # end_forward: only the first of them all counts as the forward's end.
-            if handler.forward_end_counted:
-                handler.transport.release_copied(final=True)
-            else:
-                handler.transport.end_forward()
-                handler.forward_end_counted = True
+            # A model that never called end_chunk: its forward's copied blocks go back before its backward (this runs
+            # twice per chunk, the output's gradient, then the last group's commit, after end_chunk's own)
+            self._forward_end(handler)
             self._look_again(handler)
         self._forward_ended(handler)
+
+    @staticmethod
+    def _forward_end(handler: ChunkOffloadHandler) -> None:
+        """The chunk's forward ended: its copied blocks go back (``Transport.release_copied(final=True)``), and the
+        first call for the chunk counts that end (``Transport.end_forward``), so the forward count is not tripled."""
+        if handler.forward_end_counted:
+            handler.transport.release_copied(final=True)
+        else:
+            handler.transport.end_forward()
+            handler.forward_end_counted = True
 
     def _look_again(self, starting: ChunkOffloadHandler | None) -> None:
         """Every chunk whose forward has returned and whose backward has not started (``starting``'s is starting)

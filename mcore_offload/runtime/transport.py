@@ -87,7 +87,7 @@ def forward_end_from_env() -> str:
     if raw not in FORWARD_END_CHOICES:
         raise ValueError(f"{FORWARD_END_VARIABLE}={raw!r} is not one of {', '.join(FORWARD_END_CHOICES)}; set "
                          "wait to make the compute stream wait for the copies still running when a chunk's forward "
-                         "ends (its peak then drops by every offloaded byte), or unset it for hand-over.")
+                         "ends, or unset it for hand-over.")
     return raw
 
 
