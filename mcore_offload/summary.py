@@ -34,6 +34,10 @@ EXPOSED_STALL_MIN_MS = 10.0
 # ahead of the GPU; one late layer's bytes are normal)
 TRAILING_MIN_BYTES = 64 * 2**20
 TRAILING_SHARE = 1 / 4
+# ... and at this share or more of it, the host saw no copy finish during the forward: it ran ahead of a GPU-bound
+# forward, and only a bound inside the forward lets blocks go before its end (session 85's B: all 1312 MiB trailing;
+# the forward-end wait freed nothing more at +2.1 %, MCORE_OFFLOAD_D2H_IN_FLIGHT=2 freed 1150 of 1312 at +2.4 %)
+HOST_AHEAD_SHARE = 0.9
 
 COUNTERS = (
     "offloaded",
@@ -256,19 +260,27 @@ class OffloadSummary:
         that comes there, so the peak drops by less than the offloaded bytes, and by a different amount from step to
         step (session 83: A's attention set on a fast host, 22-40 of 50 steps 114-674 MiB higher, about 1,335 MiB a
         forward). The last layer flushed at a forward's end is normally still being copied: that much does not
-        warn. True if it warned."""
+        warn. The advice follows the cause: with (nearly) all of a forward's bytes trailing, the host ran ahead of the
+        GPU and the peak inside the forward needs the bound, not the forward-end wait (session 85's B). True if it
+        warned."""
         released = rec.total("released_in_forward") / max(rec.forward_ends, 1)
         if self.trailing_copies_warned or rec.trailing_bytes < max(TRAILING_MIN_BYTES, released * TRAILING_SHARE):
             return False
         self.trailing_copies_warned = True
+        if rec.trailing_bytes >= HOST_AHEAD_SHARE * released:
+            advice = ("the host ran ahead of the GPU and saw none of this forward's copies finish, so no copied block "
+                      "went back before the forward's end. Set MCORE_OFFLOAD_D2H_IN_FLIGHT=2 (or 1): the compute "
+                      "stream then waits on the GPU for older bursts during the forward and their blocks go back at "
+                      "once, which may cost step time; MCORE_OFFLOAD_FORWARD_END=wait acts only at the forward's end "
+                      "and does not help a peak inside it")
+        else:
+            advice = ("the link behind the forward. Set MCORE_OFFLOAD_FORWARD_END=wait (the compute stream waits for "
+                      "those copies at the forward's end, for a peak after it) or MCORE_OFFLOAD_D2H_IN_FLIGHT=1 (and "
+                      "for older bursts during it), either of which may cost step time, or offload fewer points")
         logger.warning(
-            "offload step %d: %.0f MiB were still being copied to the host when a chunk's forward ended (the link "
-            "behind the forward, or the host ahead of the GPU), so they still counted at a peak there: the peak drops "
-            "by up to that much less than the %.0f MiB a forward offloads. Set MCORE_OFFLOAD_FORWARD_END=wait (the "
-            "compute stream waits for those copies at the forward's end) or MCORE_OFFLOAD_D2H_IN_FLIGHT=1 (and for "
-            "older bursts during it), either of which may cost step time, or offload fewer points", rec.step,
-            rec.trailing_bytes / 2**20,
-            released / 2**20)
+            "offload step %d: %.0f MiB were still being copied to the host when a chunk's forward ended, so they "
+            "still counted at a peak there: the peak drops by up to that much less than the %.0f MiB a forward "
+            "offloads. Likely cause: %s", rec.step, rec.trailing_bytes / 2**20, released / 2**20, advice)
         return True
 
     def link_series(self) -> dict[str, list]:

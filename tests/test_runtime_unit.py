@@ -480,15 +480,23 @@ def test_a_forward_end_counts_what_is_still_being_copied_and_keeps_the_steps_lar
     assert (t.forward_ends, t.trailing_bytes) == (3, 110) and not t._held
 
 
-def test_copies_trailing_a_forward_are_a_step_figure_and_warn_once(caplog, monkeypatch):
+def _stub_transport(monkeypatch, trailing_bytes: int = 0, forward_ends: int = 0) -> SimpleNamespace:
+    """The one live transport the summary reads at a step's close: its trailing bytes and forward ends only."""
     import mcore_offload.runtime.transport as transport_module
+
+    transport = SimpleNamespace(trailing_bytes=trailing_bytes, forward_ends=forward_ends,
+                                pool=SimpleNamespace(allocations=0),
+                                telemetry=SimpleNamespace(end_step=lambda step: None, resolve=lambda wait=False: []))
+    monkeypatch.setattr(transport_module, "live_transports", lambda: [transport])
+    return transport
+
+
+def test_copies_trailing_a_forward_are_a_step_figure_and_warn_once(caplog, monkeypatch):
     from mcore_offload.summary import TRAILING_MIN_BYTES, OffloadSummary
 
     mib = 2**20
     summary = OffloadSummary()
-    transport = SimpleNamespace(trailing_bytes=0, forward_ends=0, pool=SimpleNamespace(allocations=0),
-                                telemetry=SimpleNamespace(end_step=lambda step: None, resolve=lambda wait=False: []))
-    monkeypatch.setattr(transport_module, "live_transports", lambda: [transport])
+    transport = _stub_transport(monkeypatch)
     # (trailing, released in the step's 4 forwards): 1335 MiB a forward, as A's attention set; a quarter is 334 MiB
     steps = [(48 * mib, 4 * 1335 * mib), (200 * mib, 4 * 1335 * mib), (674 * mib, 4 * 1335 * mib),
              (700 * mib, 4 * 1335 * mib)]
@@ -507,6 +515,33 @@ def test_copies_trailing_a_forward_are_a_step_figure_and_warn_once(caplog, monke
     assert len(warnings) == 1 and warnings[0].startswith("offload step 2: 674 MiB were still being copied")
     assert "1335 MiB a forward offloads" in warnings[0] and "MCORE_OFFLOAD_D2H_IN_FLIGHT=1" in warnings[0]
     assert "MCORE_OFFLOAD_FORWARD_END=wait" in warnings[0]
+
+
+def test_copies_all_trailing_a_forward_name_the_bound_not_the_forward_end_wait(caplog, monkeypatch):
+    """Every byte a forward released still being copied at its end (session 85's B: 1312 of 1312 MiB) means the host
+    ran ahead and saw no copy finish: the warning points to the bound inside the forward, and says the forward-end
+    wait does not help there; a share under 90 % keeps the link advice."""
+    from mcore_offload.summary import OffloadSummary
+
+    mib = 2**20
+
+    def warning_for(trailing_mib: int) -> str:
+        summary = OffloadSummary()
+        _stub_transport(monkeypatch, trailing_mib * mib, forward_ends=4)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="mcore_offload.summary"):
+            summary.add("core_attn", "released_in_forward", 4 * 1312 * mib)
+            summary.close_step()
+        found = [r.getMessage() for r in caplog.records if "still being copied" in r.getMessage()]
+        assert len(found) == 1
+        return found[0]
+
+    ahead = warning_for(1312)
+    assert "1312 MiB were still being copied" in ahead and "the host ran ahead of the GPU" in ahead
+    assert "MCORE_OFFLOAD_D2H_IN_FLIGHT=2" in ahead and "does not help a peak inside it" in ahead
+    behind = warning_for(1100)  # 84 %: some copies finished during the forward
+    assert "the link behind the forward" in behind and "host ran ahead" not in behind
+    assert "MCORE_OFFLOAD_FORWARD_END=wait" in behind
 
 
 def test_the_saved_nothing_line_names_the_usual_cause():
