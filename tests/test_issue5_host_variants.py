@@ -40,9 +40,12 @@ def _launches(tmp_path: Path, variants: str) -> list[tuple[dict[str, str], str]]
 
 def test_variant_suffixes_and_prefixes_set_their_switches(tmp_path):
     runs = _launches(tmp_path, "sw_attn alt_attn_nosplit alt_attn_nolook alt_attn alt_attn_ifl1 alt_attn_ifl12 "
-                               "alt_attn_few")
-    assert len(runs) == 7
-    (sw, sw_args), (nosplit, _), (nolook, _), (plain, plain_args), (ifl1, _), (ifl12, _), (few, _) = runs
+                               "alt_attn_few alt_attn_f1_ifl2 alt_attn_f4")
+    assert len(runs) == 9
+    (sw, sw_args), (nosplit, _), (nolook, _), (plain, plain_args), (ifl1, _), (ifl12, _), (few, _) = runs[:7]
+    (f1_ifl2, _), (f4, _) = runs[7:]
+    assert f1_ifl2["MCORE_OFFLOAD_FLUSH_LAYERS"] == "1" and f1_ifl2["MCORE_OFFLOAD_D2H_IN_FLIGHT"] == "2"
+    assert f4["MCORE_OFFLOAD_FLUSH_LAYERS"] == "4" and "MCORE_OFFLOAD_FLUSH_LAYERS" not in few
     assert ifl1["MCORE_OFFLOAD_D2H_IN_FLIGHT"] == "1" and ifl12["MCORE_OFFLOAD_D2H_IN_FLIGHT"] == "12"
     assert "MCORE_OFFLOAD_D2H_IN_FLIGHT" not in plain
     assert few["MCORE_OFFLOAD_FORWARD_END"] == "wait" and "MCORE_OFFLOAD_D2H_IN_FLIGHT" not in few

@@ -50,7 +50,7 @@
 #    NAME_bx (auto): MCORE_OFFLOAD_AUTO_BACKWARD_EXPOSURE=1 (exposure: the mean of the forward's and the backward's).
 #    NAME_hbN (auto): MCORE_OFFLOAD_AUTO_HOST_BUDGET=0.N (N per mille of the plain step, three digits: _hb030 is 3 %).
 #    "autotarget": offload_modules=["auto:$AUTO_GIB"] (a per-rank peak target in GiB; AUTO_GIB must be set).
-#    NAME_f4 / NAME_r2: MCORE_OFFLOAD_FLUSH_LAYERS=4 / MCORE_OFFLOAD_RELOAD_LAYERS=2. NAME_iflN:
+#    NAME_fN / NAME_r2: MCORE_OFFLOAD_FLUSH_LAYERS=N / MCORE_OFFLOAD_RELOAD_LAYERS=2. NAME_iflN:
 #    MCORE_OFFLOAD_D2H_IN_FLIGHT=N (at most N copy-out bursts in flight). NAME_few: MCORE_OFFLOAD_FORWARD_END=wait. NAME_coal:
 #    MCORE_OFFLOAD_COALESCE_RELOADS=1 (one reload copy per group). NAME_py: the Python
 #    saved-tensor hooks (MCORE_OFFLOAD_NATIVE=0; every other run sets MCORE_OFFLOAD_NATIVE=${NATIVE:-1}: C++ or fail). NAME@native: NAME on upstream's
@@ -95,7 +95,9 @@ for rep in $(seq 1 "${REPS:-2}"); do
       case ${name%@old} in *_nochain*) chain=0 ;; esac
       hostmem=pinned; case ${name%@old} in *_wc*) hostmem=write-combined ;; esac
       envs="MCORE_OFFLOAD_RAW_COPY=$raw MCORE_OFFLOAD_CHAIN_POINTS=$chain MCORE_OFFLOAD_HOST_MEMORY=$hostmem"
-      case ${name%@old} in *_f4*) envs="$envs MCORE_OFFLOAD_FLUSH_LAYERS=4" ;; esac
+      # _fN: N layers a copy-out burst (MCORE_OFFLOAD_FLUSH_LAYERS; _f4 since session 40, any N since session 85;
+      # _few, which has no digit, is not one)
+      [[ ${name%@old} =~ _f([0-9]+) ]] && envs="$envs MCORE_OFFLOAD_FLUSH_LAYERS=${BASH_REMATCH[1]}"
       case ${name%@old} in *_r2*) envs="$envs MCORE_OFFLOAD_RELOAD_LAYERS=2" ;; esac
       case ${name%@old} in *_coal*) envs="$envs MCORE_OFFLOAD_COALESCE_RELOADS=1" ;; esac
       case ${name%@old} in *_nolook*) envs="$envs MCORE_OFFLOAD_SECOND_LOOK=0" ;; esac
@@ -137,7 +139,7 @@ for rep in $(seq 1 "${REPS:-2}"); do
           envs="$envs MCORE_OFFLOAD_TELEMETRY_EVERY=${SW_TELEMETRY_EVERY:-3}" ;;
         *) alt="" ;; esac
       case ${name%@old} in *_bd) alt="$alt --runtime-breakdown" ;; esac
-      base=${nosp%@old}; base=${base//_ssa/}; base=${base//_ssh/}; base=${base//_nccldbg/}; base=${base//_wc/}; base=${base//_coal/}; base=${base//_nolook/}; base=${base//_nosplit/}; base=${base//_oc0/}; base=${base//_bx/}; base=${base//_few/}; base=${base//_py/}; base=${base//_f4/}; base=${base//_r2/}; base=${base%%_ifl[0-9]*}; base=${base%%_hb[0-9]*}; base=${base#alt_}; base=${base#sw_}; base=${base#idle_}; base=${base#stop_}; base=${base#stopec_}; base=${base#stoph_}; base=${base#stopb_}; base=${base#mid_}; base=${base#midec_}; base=${base#midh_}; base=${base#midb_}; [[ $base =~ ^blk[0-9]+_(.*)$ ]] && base=${BASH_REMATCH[1]}; base=${base%_bd}; base=${base%_nochain}; base=${base%_torchcopy}
+      base=${nosp%@old}; base=${base//_ssa/}; base=${base//_ssh/}; base=${base//_nccldbg/}; base=${base//_wc/}; base=${base//_coal/}; base=${base//_nolook/}; base=${base//_nosplit/}; base=${base//_oc0/}; base=${base//_bx/}; base=${base//_few/}; base=${base//_py/}; [[ $base =~ ^(.*)_f[0-9]+(.*)$ ]] && base=${BASH_REMATCH[1]}${BASH_REMATCH[2]}; base=${base//_r2/}; base=${base%%_ifl[0-9]*}; base=${base%%_hb[0-9]*}; base=${base#alt_}; base=${base#sw_}; base=${base#idle_}; base=${base#stop_}; base=${base#stopec_}; base=${base#stoph_}; base=${base#stopb_}; base=${base#mid_}; base=${base#midec_}; base=${base#midh_}; base=${base#midb_}; [[ $base =~ ^blk[0-9]+_(.*)$ ]] && base=${BASH_REMATCH[1]}; base=${base%_bd}; base=${base%_nochain}; base=${base%_torchcopy}
       case $base in baseline) flags="" ;; core_attn) flags=$OFF ;;
         hooks_only) flags="$OFF --min-offloaded-tensor-size 1000000000000" ;;
         attn) flags="--fine-grained-activation-offloading --offload-modules qkv_linear core_attn attn_proj" ;;
