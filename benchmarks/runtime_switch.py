@@ -122,6 +122,10 @@ class RuntimeSwitch:
         manager = self._manager()
         if self.defaults is None:
             self.defaults = {key: _get(manager, key) for key in self.settings}
+            # the defaults' side must stay the defaults: the runtime's own switch where the host runs ahead
+            # (runtime/host_ahead.py) would change them mid-run
+            if manager.host_ahead.state == "watching":
+                manager.host_ahead.state = "off"
         for key, value in (self.settings if under_test else self.defaults).items():
             _set(manager, key, value)
 

@@ -108,6 +108,8 @@ class OffloadSummary:
     _closed_at_ns: int | None = None  # perf_counter_ns() at the last close_step
     exposed_copies_warned: bool = False  # warn_if_copies_exposed says it once per rank
     trailing_copies_warned: bool = False  # warn_if_copies_trail says it once per rank
+    # the manager's HostAheadAdapter, where it acts on a host that runs ahead (it logs its own line there)
+    host_ahead: Any = None
 
     def runtime_total_ns(self) -> int:
         """Host time inside the runtime's hooks since the last closed step, Python's and C++'s."""
@@ -266,13 +268,18 @@ class OffloadSummary:
         released = rec.total("released_in_forward") / max(rec.forward_ends, 1)
         if self.trailing_copies_warned or rec.trailing_bytes < max(TRAILING_MIN_BYTES, released * TRAILING_SHARE):
             return False
+        ahead = host_ran_ahead(rec)
+        if ahead and self.host_ahead is not None and self.host_ahead.speaks_for_host_ahead:
+            return False  # the runtime switches its settings itself (runtime/host_ahead.py) and says so
         self.trailing_copies_warned = True
-        if rec.trailing_bytes >= HOST_AHEAD_SHARE * released:
+        if ahead:
             advice = ("the host ran ahead of the GPU and saw none of this forward's copies finish, so no copied block "
-                      "went back before the forward's end. Set MCORE_OFFLOAD_D2H_IN_FLIGHT=2 (or 1): the compute "
-                      "stream then waits on the GPU for older bursts during the forward and their blocks go back at "
-                      "once, which may cost step time; MCORE_OFFLOAD_FORWARD_END=wait acts only at the forward's end "
-                      "and does not help a peak inside it")
+                      "went back before the forward's end. Set MCORE_OFFLOAD_D2H_IN_FLIGHT=2 with "
+                      "MCORE_OFFLOAD_FLUSH_LAYERS=1 (what MCORE_OFFLOAD_HOST_AHEAD=adapt, the default, switches to "
+                      "where none of the copy-out variables is set): the compute stream then waits on the GPU for "
+                      "older bursts during the forward and their blocks go back at once, which may cost step time; "
+                      "MCORE_OFFLOAD_FORWARD_END=wait acts only at the forward's end and does not help a peak inside "
+                      "it")
         else:
             advice = ("the link behind the forward. Set MCORE_OFFLOAD_FORWARD_END=wait (the compute stream waits for "
                       "those copies at the forward's end, for a peak after it) or MCORE_OFFLOAD_D2H_IN_FLIGHT=1 (and "
@@ -316,6 +323,8 @@ class OffloadSummary:
             # MCORE_OFFLOAD_D2H_IN_FLIGHT: the compute stream's waits for copy-out bursts so far (0 when unbounded)
             "d2h_in_flight_waits": sum(t.in_flight_waits for t in transports),
             "per_step": self.link_series(),
+            # runtime/host_ahead.py: whether the runtime switched its copy-out settings, and when
+            "host_ahead": None if self.host_ahead is None else self.host_ahead.as_dict(),
         }
 
     def table(self, rank: int | None = None) -> str:
@@ -345,12 +354,23 @@ class OffloadSummary:
         transports = live_transports()
         bound = max((t.d2h_in_flight for t in transports), default=0)
         waits = sum(t.in_flight_waits for t in transports)
+        adapter = self.host_ahead
+        if adapter is not None and adapter.adapted_at is not None:
+            lines.append(f"host ahead of the GPU: per-layer copy-out bursts from step {adapter.adapted_at}, "
+                         f"{adapter.state} (MCORE_OFFLOAD_HOST_AHEAD)")
         if bound:
             lines.append(f"copy-out bound: {bound} burst(s) in flight (MCORE_OFFLOAD_D2H_IN_FLIGHT), "
                          f"{waits} waits so far")
         elif any(t.wait_at_forward_end for t in transports):
             lines.append(f"copy-out waited for at forward ends (MCORE_OFFLOAD_FORWARD_END=wait), {waits} waits so far")
         return "\n".join(lines)
+
+
+def host_ran_ahead(rec: StepRecord) -> bool:
+    """Whether nearly all a forward released was still being copied at its end (at least ``TRAILING_MIN_BYTES``):
+    the host saw no copy-out burst finish during the forward, i.e. it ran ahead of a GPU-bound forward."""
+    released = rec.total("released_in_forward") / max(rec.forward_ends, 1)
+    return rec.trailing_bytes >= max(TRAILING_MIN_BYTES, HOST_AHEAD_SHARE * released)
 
 
 def _fmt(x: float | None) -> str:

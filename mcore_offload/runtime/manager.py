@@ -27,6 +27,7 @@ from mcore_offload.runtime.auto import AutoPlanner, attention_units, clock_mark,
 from mcore_offload.runtime.auto_choice import Plan
 from mcore_offload.runtime.enabled import enabled_points_cached, in_backward, point_enabled
 from mcore_offload.runtime.handler import ChunkOffloadHandler
+from mcore_offload.runtime.host_ahead import HostAheadAdapter
 from mcore_offload.runtime.host_pool import host_memory_kind
 from mcore_offload.runtime.native import load_native
 from mcore_offload.runtime.saved import CHAIN_NEXT, Entry, Group, saved_nothing_line
@@ -34,6 +35,7 @@ from mcore_offload.runtime.side_streams import side_stream_kind
 from mcore_offload.runtime.transport import (
     d2h_in_flight_from_env,
     forward_end_from_env,
+    live_transports,
     reset_transports,
     settle_pools,
 )
@@ -132,6 +134,8 @@ class OffloadManager:
         self.side_streams = side_stream_kind()  # and a bad MCORE_OFFLOAD_SIDE_STREAMS
         d2h_in_flight_from_env()  # and a bad MCORE_OFFLOAD_D2H_IN_FLIGHT (the transports read it when made)
         forward_end_from_env()  # and MCORE_OFFLOAD_FORWARD_END
+        # where the host runs ahead of a GPU-bound forward: per-layer bursts, two in flight (runtime/host_ahead.py)
+        self.host_ahead = self.summary.host_ahead = HostAheadAdapter()
         # the C++ saved-tensor hooks (runtime/native), or None: the Python ones (MCORE_OFFLOAD_NATIVE)
         self.native = load_native()
         if self.native is not None:  # the C++ paths add their host time to an int64 (summary_calls.cpp)
@@ -393,6 +397,9 @@ class OffloadManager:
         settle_pools()  # before the step's allocations are counted: a replacement is this step's
         if self.summary.step_has_activity():
             self.summary.close_step(aborted=aborted)
+            if self._trained:
+                self.host_ahead.step_closed(self.summary, self, live_transports(),
+                                            planning=self.auto is not None and self.auto.plan is None)
         if self.auto is not None and self._trained:
             if aborted:
                 self.auto.step_aborted()  # the step repeats its probe role: nothing of it is kept
