@@ -10,11 +10,12 @@ and +2.4 % (session 85). With one burst per layer nothing queues: session 86's B
 plain steps in one process, the defaults +1.05 % [0.74, 1.45] with Δpeak 750 MiB, per-layer bursts with two in
 flight +0.69 % [0.20, 1.20] with Δpeak 1150, stall 0.0 ms. Per-layer bursts cost a launch-bound step their CUDA calls
 (A's attention set: +1.06 % over the defaults), but a host that runs ahead has time to spare, so the switch is made
-only where the step says so: the host ran ahead in ``AHEAD_STEPS`` steps in a row (``summary.host_ran_ahead``).
+only where the steps say so: the host ran ahead in ``AHEAD_STEPS`` steps in a row (``summary.host_ran_ahead``).
 
-The switch is judged afterwards by the telemetry the runtime keeps anyway: if the compute stream waits on the copies
-noticeably longer than before (a link that cannot keep up with the forward), the earlier settings come back and a
-warning says what that leaves on the device. Nothing here synchronises with the GPU.
+The switch is judged afterwards by the telemetry the runtime keeps anyway (every step timed until then, a step late):
+if the compute stream waits on the copies noticeably longer than before (a link that cannot keep up with the
+forward), the earlier settings come back and a warning says what that leaves on the device. Nothing here
+synchronises with the GPU.
 
 ``MCORE_OFFLOAD_HOST_AHEAD=warn`` (default ``adapt``) keeps the settings and only warns; a user who set
 ``MCORE_OFFLOAD_FLUSH_LAYERS``, ``MCORE_OFFLOAD_D2H_IN_FLIGHT`` or ``MCORE_OFFLOAD_FORWARD_END`` chose already, and
@@ -38,8 +39,10 @@ HOST_AHEAD_VARIABLE = "MCORE_OFFLOAD_HOST_AHEAD"
 CHOSEN_BY_USER = ("MCORE_OFFLOAD_FLUSH_LAYERS", "MCORE_OFFLOAD_D2H_IN_FLIGHT", "MCORE_OFFLOAD_FORWARD_END")
 ADAPTED_FLUSH_LAYERS = 1
 ADAPTED_IN_FLIGHT = 2
-# a single step is not a pattern (a first step's allocations, a host hiccup): this many in a row
-AHEAD_STEPS = 2
+# a single step is not a pattern: this many in a row. B's host ran ahead in every step; A's attention set on a fast
+# host, where the link cannot keep up with the forward, had its whole forward trailing in 3 of 50 steps, two of them
+# in a row, and switched at two (session 86, lease 2: the stall grew by 17 ms a step until it was undone)
+AHEAD_STEPS = 4
 # after the switch, this many steps' stalls are compared with the stall before it ...
 JUDGED_STEPS = 2
 # ... and the switch is undone where the stall grew by more than this share of the step and this many ms
@@ -112,6 +115,8 @@ class HostAheadAdapter:
         manager.flush_layers = ADAPTED_FLUSH_LAYERS
         for t in transports:
             t.d2h_in_flight = ADAPTED_IN_FLIGHT
+            if self.state == "adapted":  # time every step until judged, not one in MCORE_OFFLOAD_TELEMETRY_EVERY
+                t.telemetry.timing = t.telemetry.timed
 
     def _judge(self, summary: OffloadSummary, manager: Any, transports: list[Any]) -> None:
         """Once ``JUDGED_STEPS`` switched steps have their link figures (usually a step late): keep the switch, or
