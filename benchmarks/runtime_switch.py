@@ -122,9 +122,9 @@ class RuntimeSwitch:
         manager = self._manager()
         if self.defaults is None:
             self.defaults = {key: _get(manager, key) for key in self.settings}
-            # the defaults' side must stay the defaults: the runtime's own switch where the host runs ahead
+            # the defaults' side must stay the defaults: the runtime's own choice of copy-out settings
             # (runtime/host_ahead.py) would change them mid-run
-            if manager.host_ahead.state == "watching":
+            if manager.host_ahead.state in ("probing", "watching"):
                 manager.host_ahead.state = "off"
         for key, value in (self.settings if under_test else self.defaults).items():
             _set(manager, key, value)

@@ -1,5 +1,5 @@
-"""The runtime's own switch where the host runs ahead of a GPU-bound forward (runtime/host_ahead.py), on stub
-transports: when it switches, what it switches, when it undoes it, and when it stays out of the way."""
+"""The runtime's choice of copy-out settings by how far the host runs ahead of the GPU (runtime/host_ahead.py), on
+stub transports: the probe of the first steps, the later switch, the judge, and when it stays out of the way."""
 
 from __future__ import annotations
 
@@ -11,20 +11,24 @@ from mcore_offload.runtime.host_ahead import (
     ADAPTED_FLUSH_LAYERS,
     ADAPTED_IN_FLIGHT,
     AHEAD_STEPS,
+    PROBE_STEPS,
     HostAheadAdapter,
     host_ahead_mode,
 )
 from mcore_offload.runtime.manager import get_manager
-from mcore_offload.runtime.telemetry import StepLink
+from mcore_offload.runtime.telemetry import LinkTelemetry, StepLink
 from mcore_offload.summary import OffloadSummary
+from tests.test_telemetry import FakeEvent
 
 MIB = 2**20
 FORWARD_MIB = 1312  # session 85's B attention set: what one chunk forward offloads and releases
+COPY_OUT_VARIABLES = ("MCORE_OFFLOAD_FLUSH_LAYERS", "MCORE_OFFLOAD_D2H_IN_FLIGHT", "MCORE_OFFLOAD_FORWARD_END",
+                      "MCORE_OFFLOAD_HOST_AHEAD")
 
 
 def _transport() -> SimpleNamespace:
     """What the summary's close and the adapter read and write on a transport."""
-    return SimpleNamespace(trailing_bytes=0, forward_ends=0, d2h_in_flight=0, in_flight_waits=0,
+    return SimpleNamespace(trailing_bytes=0, forward_ends=0, d2h_in_flight=0, in_flight_waits=0, bound_bytes=0,
                            wait_at_forward_end=False, pool=SimpleNamespace(allocations=0, allocated_bytes=0),
                            telemetry=SimpleNamespace(end_step=lambda step: None, resolve=lambda wait=False: [],
                                                      timing=False, timed=True))
@@ -32,129 +36,140 @@ def _transport() -> SimpleNamespace:
 
 @pytest.fixture
 def rig(monkeypatch):
-    """A summary wired to an adapter, one stub transport and a manager stand-in; ``step(trailing_mib)`` closes a
-    step of four forwards with that much still copying at the worst forward end."""
+    """A summary wired to an adapter, one stub transport and a manager stand-in. ``step(trailing_mib, waited_mib)``
+    runs a step of four forwards: its chunks start, 4 x 1312 MiB go out, ``waited_mib`` of it the compute stream
+    waited for, ``trailing_mib`` still copying at the worst forward end."""
     import mcore_offload.runtime.transport as transport_module
 
-    for name in ("MCORE_OFFLOAD_FLUSH_LAYERS", "MCORE_OFFLOAD_D2H_IN_FLIGHT", "MCORE_OFFLOAD_FORWARD_END",
-                 "MCORE_OFFLOAD_HOST_AHEAD"):
+    for name in COPY_OUT_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     transport = _transport()
     monkeypatch.setattr(transport_module, "live_transports", lambda: [transport])
     summary = OffloadSummary()
     adapter = summary.host_ahead = HostAheadAdapter()
-    manager = SimpleNamespace(flush_layers=2)
+    manager = SimpleNamespace(flush_layers=2, auto=None)
 
-    def step(trailing_mib: int, planning: bool = False, aborted: bool = False) -> None:
+    def step(trailing_mib: int = 0, waited_mib: int = 0, planning: bool = False, aborted: bool = False) -> None:
+        for _ in range(4):
+            adapter.chunk_started(manager, transport)
+        summary.add("core_attn", "offloaded", 4 * FORWARD_MIB * MIB)
         summary.add("core_attn", "released_in_forward", 4 * FORWARD_MIB * MIB)
         transport.trailing_bytes, transport.forward_ends = trailing_mib * MIB, 4
+        transport.bound_bytes += waited_mib * MIB
         summary.close_step(aborted=aborted)
         adapter.step_closed(summary, manager, [transport], planning=planning)
 
     return SimpleNamespace(step=step, summary=summary, adapter=adapter, manager=manager, transport=transport)
 
 
-def _set_stalls(summary: OffloadSummary, stalls: dict[int, float], step_ms: float = 430.0) -> None:
+def _settings(rig) -> tuple[int, int]:
+    return rig.manager.flush_layers, rig.transport.d2h_in_flight
+
+
+def _set_bound(summary: OffloadSummary, bound: dict[int, float], step_ms: float = 430.0) -> None:
     """Attach GPU-timed link figures to the given steps, as the telemetry does a step or so late."""
-    for i, stall in stalls.items():
-        summary.steps[i].link = StepLink(stall_ms=stall)
+    for i, ms in bound.items():
+        summary.steps[i].link = StepLink(stall_ms=ms, bound_ms=ms)
         summary.steps[i].host_step_ms = step_ms
 
 
-def test_four_host_ahead_steps_in_a_row_switch_to_per_layer_bursts_two_in_flight(rig, caplog):
-    assert AHEAD_STEPS == 4
+def test_the_first_steps_run_per_layer_bursts_and_keep_them_where_the_host_runs_ahead(rig, caplog):
+    assert PROBE_STEPS == 2 and rig.adapter.state == "probing"
     with caplog.at_level("INFO", logger="mcore_offload"):
-        for _ in range(3):  # three steps are not yet the pattern (A's attention set on a fast host had two)
-            rig.step(FORWARD_MIB)
-        assert rig.adapter.state == "watching" and rig.manager.flush_layers == 2
-        rig.step(600)  # 46 % trailing: the link behind, not the host ahead; the run starts again
-        for _ in range(3):
-            rig.step(FORWARD_MIB)
-        assert rig.adapter.state == "watching" and not rig.transport.telemetry.timing
-        rig.step(FORWARD_MIB)
-    assert rig.adapter.state == "adapted" and rig.adapter.adapted_at == 8
-    settings = (rig.manager.flush_layers, rig.transport.d2h_in_flight)
-    assert settings == (ADAPTED_FLUSH_LAYERS, ADAPTED_IN_FLIGHT) == (1, 2)
-    assert rig.transport.telemetry.timing  # every step is timed until the switch is judged
-    lines = [r.getMessage() for r in caplog.records if "ran ahead" in r.getMessage()]
-    assert len(lines) == 1 and lines[0].startswith("offload step 7: the host ran ahead of the GPU in 4 steps in a row")
-    assert "1312 of the 1312 MiB" in lines[0] and "from step 8" in lines[0]
-    assert "MCORE_OFFLOAD_HOST_AHEAD=warn keeps the settings" in lines[0]
-    # the summary's host-ahead warning is the adapter's to give; step 3's link-behind share warned as before
+        rig.step(waited_mib=2000)  # the warm-up step: not read
+        assert rig.adapter.state == "probing" and _settings(rig) == (ADAPTED_FLUSH_LAYERS, ADAPTED_IN_FLIGHT) == (1, 2)
+        rig.step(waited_mib=4 * FORWARD_MIB - 100)  # nearly all of it waited for: the host saw no burst finish
+    assert rig.adapter.state == "adapted" and rig.adapter.adapted_at == 0 and _settings(rig) == (1, 2)
+    assert rig.adapter.probe_share == pytest.approx((4 * FORWARD_MIB - 100) / (4 * FORWARD_MIB))
+    [line] = [r.getMessage() for r in caplog.records if "copied out" in r.getMessage()]
+    assert line.startswith("offload step 1: the compute stream had to wait for 5148 of the 5248 MiB copied out")
+    assert "keeping one copy-out burst per layer" in line and "MCORE_OFFLOAD_HOST_AHEAD=warn runs the defaults" in line
+    assert rig.summary.as_dict()["host_ahead"]["state"] == "adapted"
+    assert "per-layer copy-out bursts from step 0, adapted" in rig.summary.table()
+
+
+def test_the_defaults_come_back_where_the_host_keeps_up(rig, caplog):
+    with caplog.at_level("INFO", logger="mcore_offload"):
+        rig.step(waited_mib=4 * FORWARD_MIB)  # a slow warm-up step reads as host-ahead: not read
+        rig.step(waited_mib=4 * 192)  # only the last burst of each forward waited for (15 %)
+    assert rig.adapter.state == "watching" and _settings(rig) == (2, 0)
+    rig.step()
+    assert _settings(rig) == (2, 0)  # a chunk start no longer puts the adapted settings on
+    [line] = [r.getMessage() for r in caplog.records if "copied out" in r.getMessage()]
+    assert "768 of the 5248 MiB" in line and "the default copy-out bursts from step 2" in line
+
+
+def test_kept_settings_are_judged_on_the_copy_out_waits_and_undone_where_they_cost(rig, caplog):
+    """Session 85's B with two-layer bursts under the bound: 12 ms a step waited on the copies, far over 1 % of a
+    430 ms step (4.3 ms); the reloads' own stall does not count."""
+    rig.step(waited_mib=5000)
+    rig.step(waited_mib=5000)
+    assert rig.adapter.state == "adapted"
+    _set_bound(rig.summary, {0: 30.0, 1: 12.0})  # step 0, the warm-up, is not judged
+    with caplog.at_level("INFO", logger="mcore_offload"):
+        rig.step(waited_mib=5000)
+        assert rig.adapter.state == "adapted" and rig.transport.telemetry.timing  # timed until judged
+        _set_bound(rig.summary, {2: 12.2})
+        rig.step(waited_mib=5000)
+        assert rig.adapter.state == "reverted" and _settings(rig) == (2, 0)
+        rig.step()  # a chunk start puts nothing back
+        for _ in range(AHEAD_STEPS + 1):  # the host runs ahead again: no second switch, and no advice to try it
+            rig.step(trailing_mib=FORWARD_MIB)
+    assert rig.adapter.state == "reverted" and _settings(rig) == (2, 0)
+    assert rig.adapter.bound_ms == pytest.approx(12.1) and rig.adapter.judged_at == 2
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and warned[0].startswith("offload steps 1-2: with one copy-out burst per layer and 2")
+    assert "waited 12.1 ms a step on the copies (more than 4.3 ms of a 430 ms step)" in warned[0]
+    assert "back from step 4" in warned[0]
+
+
+def test_kept_settings_that_cost_under_the_margin_stay(rig, caplog):
+    for _ in range(3):
+        rig.step(waited_mib=5000)
+    _set_bound(rig.summary, {1: 0.4, 2: 0.0})
+    with caplog.at_level("INFO", logger="mcore_offload"):
+        rig.step(waited_mib=5000)
+    assert rig.adapter.state == "kept" and _settings(rig) == (1, 2)
+    assert any("kept after steps 1-2" in r.getMessage() for r in caplog.records)
+    rig.step(waited_mib=5000)
+    assert _settings(rig) == (1, 2)
+
+
+def test_a_run_on_the_defaults_switches_after_four_host_ahead_steps_in_a_row(rig, caplog):
+    rig.step()
+    rig.step()  # the probe: nothing waited for, back to the defaults
+    assert rig.adapter.state == "watching"
+    with caplog.at_level("INFO", logger="mcore_offload"):
+        for _ in range(AHEAD_STEPS - 1):  # three are not yet the pattern (A's attention set on a fast host had two)
+            rig.step(trailing_mib=FORWARD_MIB)
+        rig.step(trailing_mib=600)  # 46 % trailing: the link behind, not the host ahead; the run starts again
+        for _ in range(AHEAD_STEPS - 1):
+            rig.step(trailing_mib=FORWARD_MIB)
+        assert rig.adapter.state == "watching" and _settings(rig) == (2, 0)
+        rig.step(trailing_mib=FORWARD_MIB)
+    assert rig.adapter.state == "adapted" and rig.adapter.adapted_at == 10 and _settings(rig) == (1, 2)
+    assert rig.transport.telemetry.timing
+    [line] = [r.getMessage() for r in caplog.records if "ran ahead" in r.getMessage()]
+    assert line.startswith("offload step 9: the host ran ahead of the GPU in 4 steps in a row")
+    assert "1312 of the 1312 MiB" in line and "from step 10" in line
+    # the summary's host-ahead warning is the adapter's to give; step 5's link-behind share warned as before
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warned) == 1 and "600 MiB were still being copied" in warned[0] and "link behind" in warned[0]
-    assert rig.summary.as_dict()["host_ahead"]["state"] == "adapted"
-    assert "per-layer copy-out bursts from step 8, adapted" in rig.summary.table()
 
 
-def _switch(rig) -> int:
-    """Run the host-ahead steps that make the switch; the first switched step's number."""
-    for _ in range(AHEAD_STEPS):
-        rig.step(FORWARD_MIB)
+def test_auto_and_aborted_steps(rig):
+    rig.step(aborted=True)  # an aborted step is no probe step
+    rig.step(waited_mib=5000)
+    assert rig.adapter.state == "probing"
+    rig.step(waited_mib=5000)
     assert rig.adapter.state == "adapted"
-    return rig.adapter.adapted_at
+    adapter, transport = HostAheadAdapter(environ={}), _transport()
+    manager = SimpleNamespace(flush_layers=2, auto=object())
+    adapter.chunk_started(manager, transport)  # auto's probes measure the defaults
+    assert adapter.state == "watching" and (manager.flush_layers, transport.d2h_in_flight) == (2, 0)
 
 
-def test_the_switch_is_kept_when_the_stall_does_not_grow(rig, caplog):
-    k = _switch(rig)
-    rig.step(0)  # step k: switched, nothing trailing any more (the bound waits at the forward's end)
-    _set_stalls(rig.summary, {k - 2: 0.0, k - 1: 0.0, k: 0.4})
-    with caplog.at_level("INFO", logger="mcore_offload"):
-        rig.step(0)  # only one switched step timed: not judged yet
-        assert rig.adapter.state == "adapted"
-        _set_stalls(rig.summary, {k + 1: 0.2})
-        rig.step(0)
-    assert rig.adapter.state == "kept" and rig.adapter.judged_at == k + 1
-    judged = rig.adapter.as_dict()
-    assert judged["stall_ms_before"] == 0.0 and judged["stall_ms_after"] == pytest.approx(0.3)
-    assert (rig.manager.flush_layers, rig.transport.d2h_in_flight) == (1, 2)
-    assert any(f"kept after steps {k}-{k + 1}" in r.getMessage() for r in caplog.records)
-    rig.transport.telemetry.timing = False  # as the telemetry's own sampling sets it at a step's end
-    rig.step(0)
-    assert not rig.transport.telemetry.timing  # judged: back to one step in MCORE_OFFLOAD_TELEMETRY_EVERY
-
-
-def test_the_switch_is_undone_where_the_compute_stream_waits_longer(rig, caplog):
-    """Session 85's B with two-layer bursts under the bound: 12 ms a step of stall, far over 1 % of 430 ms."""
-    k = _switch(rig)
-    for _ in range(2):
-        rig.step(0)
-    _set_stalls(rig.summary, {k - 2: 0.5, k - 1: 0.5, k: 12.0, k + 1: 12.2})
-    with caplog.at_level("INFO", logger="mcore_offload"):
-        rig.step(0)
-        assert rig.adapter.state == "reverted"
-        assert (rig.manager.flush_layers, rig.transport.d2h_in_flight) == (2, 0)  # the earlier settings
-        for _ in range(AHEAD_STEPS + 1):  # the host runs ahead again: no second switch, and no advice to try it
-            rig.step(FORWARD_MIB)
-    assert rig.adapter.state == "reverted" and rig.manager.flush_layers == 2
-    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert len(warned) == 1 and warned[0].startswith(f"offload steps {k}-{k + 1}: with one copy-out burst per layer")
-    assert "12.1 ms a step on the copies against 0.5 ms before" in warned[0] and f"from step {k + 3}" in warned[0]
-
-
-def test_a_growth_within_the_margin_keeps_the_switch(rig):
-    """The margin is the larger of 1 ms and 1 % of the step: 4.3 ms at 430 ms."""
-    k = _switch(rig)
-    rig.step(0)
-    rig.step(0)
-    _set_stalls(rig.summary, {k - 1: 1.0, k: 5.0, k + 1: 5.2})
-    rig.step(0)
-    assert rig.adapter.state == "kept"
-
-
-def test_no_switch_while_auto_probes_or_after_an_aborted_step(rig):
-    for _ in range(AHEAD_STEPS):
-        rig.step(FORWARD_MIB, planning=True)
-    assert rig.adapter.state == "watching"
-    for _ in range(AHEAD_STEPS - 1):
-        rig.step(FORWARD_MIB)
-    rig.step(FORWARD_MIB, aborted=True)
-    assert rig.adapter.state == "watching" and rig.manager.flush_layers == 2
-    _switch(rig)
-
-
-@pytest.mark.parametrize("variable", ["MCORE_OFFLOAD_FLUSH_LAYERS", "MCORE_OFFLOAD_D2H_IN_FLIGHT",
-                                      "MCORE_OFFLOAD_FORWARD_END"])
+@pytest.mark.parametrize("variable", COPY_OUT_VARIABLES[:3])
 def test_a_user_who_chose_the_copy_out_settings_keeps_them_and_gets_the_warning(variable, monkeypatch, caplog):
     import mcore_offload.runtime.transport as transport_module
 
@@ -163,10 +178,11 @@ def test_a_user_who_chose_the_copy_out_settings_keeps_them_and_gets_the_warning(
     monkeypatch.setattr(transport_module, "live_transports", lambda: [transport])
     summary = OffloadSummary()
     adapter = summary.host_ahead = HostAheadAdapter()
-    manager = SimpleNamespace(flush_layers=2)
+    manager = SimpleNamespace(flush_layers=2, auto=None)
     assert adapter.state == "off" and adapter.as_dict()["chosen_by_user"] == [variable]
     with caplog.at_level("WARNING", logger="mcore_offload"):
         for _ in range(AHEAD_STEPS + 1):
+            adapter.chunk_started(manager, transport)
             summary.add("core_attn", "released_in_forward", 4 * FORWARD_MIB * MIB)
             transport.trailing_bytes, transport.forward_ends = FORWARD_MIB * MIB, 4
             summary.close_step()
@@ -177,21 +193,55 @@ def test_a_user_who_chose_the_copy_out_settings_keeps_them_and_gets_the_warning(
     assert "MCORE_OFFLOAD_FLUSH_LAYERS=1" in warned[0] and "MCORE_OFFLOAD_D2H_IN_FLIGHT=2" in warned[0]
 
 
-def test_warn_mode_and_a_bad_value(monkeypatch):
+def test_warn_mode_coalesced_buffers_and_a_bad_value(monkeypatch):
     assert HostAheadAdapter(mode="warn").state == "off"
-    assert HostAheadAdapter(mode="adapt", environ={}).state == "watching"
+    coalesced = HostAheadAdapter(mode="adapt", environ={"MCORE_OFFLOAD_COALESCE_RELOADS": "1"})
+    assert coalesced.state == "off" and coalesced.chosen == ["MCORE_OFFLOAD_COALESCE_RELOADS"]
+    assert HostAheadAdapter(mode="adapt", environ={"MCORE_OFFLOAD_COALESCE_RELOADS": "0"}).state == "probing"
+    assert HostAheadAdapter(mode="adapt", environ={}).state == "probing"
     monkeypatch.setenv("MCORE_OFFLOAD_HOST_AHEAD", "sometimes")
     with pytest.raises(ValueError, match="MCORE_OFFLOAD_HOST_AHEAD"):
         host_ahead_mode()
 
 
-def test_the_manager_switches_its_bursts_through_end_step(monkeypatch):
-    """Wired in: the manager's end_step hands each training step's record to its adapter, and after the switch a
-    chunk flushes at every layer (``_flush_due``), as under MCORE_OFFLOAD_FLUSH_LAYERS=1."""
+def test_a_wait_for_copy_out_bursts_counts_their_bytes_and_its_own_telemetry_kind():
+    """``_wait_for_held`` (the bound, the forward-end wait) adds the bursts' bytes to ``bound_bytes`` and times the
+    wait as "bound": the step's ``bound_ms``, part of its ``stall_ms``."""
+    from collections import deque
+
+    from mcore_offload.runtime.transport import CudaTransport
+    from tests.test_runtime_unit import _Burst, _Held
+
+    tel = LinkTelemetry(FakeEvent)
+    t = object.__new__(CudaTransport)
+    waited = []
+    t.telemetry = tel
+    t.wait = lambda event, kind="stall": waited.append(kind)
+    t._held = deque([(_Burst(False), [_Held(10), _Held(100)]), (_Burst(False), [_Held(7)]), (_Burst(False), [])])
+    t._wait_for_held(2)
+    assert waited == ["bound"] and t.bound_bytes == 117 and len(t._held) == 1 and t.in_flight_waits == 1
+    FakeEvent.clock = 0.0
+    arrival, reload_arrival = tel.mark("compute"), tel.mark("compute")
+    FakeEvent.clock = 3.0
+    done = tel.mark("d2h")
+    FakeEvent.clock = 3.5
+    reload_done = tel.mark("h2d")
+    tel.span("bound", arrival, done, keep_end=True)
+    tel.span("stall", reload_arrival, reload_done, keep_end=True)
+    tel.end_step(0)
+    for e in (arrival, reload_arrival, done, reload_done):
+        e.done = True
+    [(_, link)] = tel.resolve()
+    assert link.bound_ms == pytest.approx(3.0) and link.stall_ms == pytest.approx(6.5) and link.waits == 2
+
+
+def test_the_manager_puts_the_settings_on_at_a_chunk_start_and_decides_at_end_step(monkeypatch):
+    """Wired in: the manager's chunk start hands the handler's transport to its adapter, and its end_step each
+    training step's record; under the adapted settings a chunk flushes at every layer (``_flush_due``)."""
     import mcore_offload.runtime.manager as manager_module
     import mcore_offload.runtime.transport as transport_module
 
-    for name in ("MCORE_OFFLOAD_FLUSH_LAYERS", "MCORE_OFFLOAD_D2H_IN_FLIGHT", "MCORE_OFFLOAD_FORWARD_END"):
+    for name in COPY_OUT_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     manager_module.reset()
     transport = _transport()
@@ -202,11 +252,11 @@ def test_the_manager_switches_its_bursts_through_end_step(monkeypatch):
     handler = SimpleNamespace(vp_stage=None, marks=None, layers=2)
     manager._chunk_layers[None] = 8
     assert not manager._flush_due(handler)  # two-layer bursts aligned to the chunk's end: this layer waits
-    for _ in range(AHEAD_STEPS):
-        manager.summary.add("core_attn", "released_in_forward", 4 * FORWARD_MIB * MIB)
-        transport.trailing_bytes, transport.forward_ends = FORWARD_MIB * MIB, 4
+    for _ in range(PROBE_STEPS):
+        manager.host_ahead.chunk_started(manager, transport)
+        assert manager._flush_due(handler)
+        manager.summary.add("core_attn", "offloaded", 4 * FORWARD_MIB * MIB)
+        transport.bound_bytes += 4 * FORWARD_MIB * MIB
         manager._trained = True
         manager.end_step()
-    assert manager.host_ahead.state == "adapted"
-    assert (manager.flush_layers, transport.d2h_in_flight) == (1, 2)
-    assert manager._flush_due(handler)
+    assert manager.host_ahead.state == "adapted" and (manager.flush_layers, transport.d2h_in_flight) == (1, 2)

@@ -1,25 +1,33 @@
-"""What the runtime does when the host runs ahead of a GPU-bound forward: one copy-out burst per layer, two in flight.
+"""Copy-out settings chosen by how far the host runs ahead of the GPU: one burst per layer with two in flight where
+it runs ahead of a GPU-bound forward, two-layer bursts without a bound where it does not.
 
 Why: in a GPU-bound step the host queues a whole forward before the GPU has run much of it, so at every layer it
-looks, it sees no copy-out burst finished and hands no copied block back; they all go at the forward's end
-(``Transport.release_copied``), and a peak inside the forward keeps them (session 84's B: Δpeak 750 of 1312 MiB). A
-bound on the bursts in flight lets the compute stream wait on the GPU for older bursts and free their blocks at
-once, but with the default two-layer bursts, aligned to the chunk's end, each pair starts a layer late, and a link
-about 89 % busy never catches up: about 2.8 ms of copying was left at each forward's end, a stall of 12 ms a step
-and +2.4 % (session 85). With one burst per layer nothing queues: session 86's B, 100 steps each, alternating with
-plain steps in one process, the defaults +1.05 % [0.74, 1.45] with Δpeak 750 MiB, per-layer bursts with two in
-flight +0.69 % [0.20, 1.20] with Δpeak 1150, stall 0.0 ms. Per-layer bursts cost a launch-bound step their CUDA calls
-(A's attention set: +1.06 % over the defaults), but a host that runs ahead has time to spare, so the switch is made
-only where the steps say so: the host ran ahead in ``AHEAD_STEPS`` steps in a row (``summary.host_ran_ahead``).
+looks, it sees no copy-out burst finished and hands no copied block back; without a bound they all go at the
+forward's end (``Transport.release_copied``), and a peak inside the forward keeps them (session 84's B: Δpeak 750 of
+1312 MiB). A bound on the bursts in flight lets the compute stream wait on the GPU for older bursts and free their
+blocks at once. With the default two-layer bursts, aligned to the chunk's end, each pair starts a layer late, and a
+link about 89 % busy never catches up: a stall of 12 ms a step and +2.4 % (session 85). With one burst per layer
+nothing queues: session 86's B, the defaults +1.05 % [0.74, 1.45] with Δpeak 750 MiB, per-layer bursts with two in
+flight +0.69 % [0.20, 1.20] with Δpeak 1150, stall 0.0 ms. Per-layer bursts cost a launch-bound step their CUDA
+calls (A's attention set: +1.06 % over the defaults), where a host that runs ahead has time to spare.
 
-The switch is judged afterwards by the telemetry the runtime keeps anyway (every step timed until then, a step late):
-if the compute stream waits on the copies noticeably longer than before (a link that cannot keep up with the
-forward), the earlier settings come back and a warning says what that leaves on the device. Nothing here
-synchronises with the GPU.
+Which case a run is can only be seen by running it, and the memory a job needs is its worst step's, so the first
+``PROBE_STEPS`` training steps run with per-layer bursts and two in flight (a job's peak usually comes in its first
+steps). The probe then reads how much of what the last of them copied out the compute stream had to wait for:
+where the host runs ahead, it sees no burst finish and every burst ends in a wait; where it is behind, it finds them
+finished, and only the last at each forward's end is waited for. At ``PROBE_SHARE`` or more the settings stay, else the
+defaults come back. A run that the probe sent back to the defaults still switches where the host runs ahead in
+``AHEAD_STEPS`` steps in a row (``summary.host_ran_ahead``: nearly all a forward offloads still copying at its end).
 
-``MCORE_OFFLOAD_HOST_AHEAD=warn`` (default ``adapt``) keeps the settings and only warns; a user who set
+Kept settings are judged by the telemetry the runtime keeps anyway: where the compute stream waits on the copy-out
+bursts for more than ``REVERT_STALL_MIN_MS`` and ``REVERT_STALL_SHARE`` of a step (``StepLink.bound_ms``: a link that
+cannot keep up with the forward), the defaults come back for good, with a warning. Nothing here synchronises with the
+GPU.
+
+``MCORE_OFFLOAD_HOST_AHEAD=warn`` (default ``adapt``) runs the defaults throughout and only warns; a user who set
 ``MCORE_OFFLOAD_FLUSH_LAYERS``, ``MCORE_OFFLOAD_D2H_IN_FLIGHT`` or ``MCORE_OFFLOAD_FORWARD_END`` chose already, and
-the runtime does not overrule that.
+the runtime does not overrule that; nor with ``MCORE_OFFLOAD_COALESCE_RELOADS=1``, whose host buffers follow the
+burst size; nor for ``offload_modules=["auto"]``, whose probes measure the defaults, until auto's plan is made.
 """
 
 from __future__ import annotations
@@ -37,15 +45,22 @@ logger = logging.getLogger(__name__)
 HOST_AHEAD_VARIABLE = "MCORE_OFFLOAD_HOST_AHEAD"
 #: variables that mean the user chose the copy-out settings: the runtime then leaves them alone
 CHOSEN_BY_USER = ("MCORE_OFFLOAD_FLUSH_LAYERS", "MCORE_OFFLOAD_D2H_IN_FLIGHT", "MCORE_OFFLOAD_FORWARD_END")
+COALESCE_VARIABLE = "MCORE_OFFLOAD_COALESCE_RELOADS"
 ADAPTED_FLUSH_LAYERS = 1
 ADAPTED_IN_FLIGHT = 2
-# a single step is not a pattern: this many in a row. B's host ran ahead in every step; A's attention set on a fast
-# host, where the link cannot keep up with the forward, had its whole forward trailing in 3 of 50 steps, two of them
-# in a row, and switched at two (session 86, lease 2: the stall grew by 17 ms a step until it was undone)
+# training steps run with the adapted settings before the probe decides; the first is a warm-up (pinned buffers are
+# allocated in it), so the decision reads the last
+PROBE_STEPS = 2
+# the share of a step's copied-out bytes the compute stream waited for, at and above which the host ran ahead: with
+# the host behind, only the bursts still running at each forward's end are waited for (one or two of a forward's)
+PROBE_SHARE = 0.5
+# a run on the defaults switches after this many host-ahead steps in a row. A single step is not a pattern: A's
+# attention set on a fast host, where the link cannot keep up with the forward, had its whole forward trailing in 3
+# of 50 steps, two of them in a row, and a two-step trigger switched it (session 86: 17 ms more stall a step)
 AHEAD_STEPS = 4
-# after the switch, this many steps' stalls are compared with the stall before it ...
+# the kept settings are judged on this many timed steps (after the probe's warm-up step) ...
 JUDGED_STEPS = 2
-# ... and the switch is undone where the stall grew by more than this share of the step and this many ms
+# ... and undone where the compute stream waited on copy-out bursts for more than this share of the step and ms
 REVERT_STALL_SHARE = 0.01
 REVERT_STALL_MIN_MS = 1.0
 
@@ -56,99 +71,136 @@ def host_ahead_mode() -> str:
 
 
 class HostAheadAdapter:
-    """Watches each closed step; switches the copy-out settings once where the host runs ahead, and judges it.
+    """Chooses the copy-out settings per rank; the manager calls :meth:`chunk_started` and :meth:`step_closed`.
 
-    ``state``: ``off`` (``warn`` mode, or the user chose the settings), ``watching``, ``adapted`` (switched, not yet
-    judged), ``kept`` or ``reverted``. The manager calls :meth:`step_closed` after each training step's record.
+    ``state``: ``off`` (``warn`` mode, or the user chose the settings), ``probing`` (the first steps, adapted
+    settings), ``watching`` (defaults), ``adapted`` (adapted settings, not yet judged), ``kept`` or ``reverted``.
     """
 
     def __init__(self, mode: str | None = None, environ: Any = None) -> None:
         environ = os.environ if environ is None else environ
         self.chosen = [name for name in CHOSEN_BY_USER if name in environ]
+        if environ.get(COALESCE_VARIABLE) == "1":
+            # coalesced host buffers are sized by the copy-out burst: another burst size later in the run would
+            # allocate pinned memory after the first steps
+            self.chosen.append(COALESCE_VARIABLE)
         mode = host_ahead_mode() if mode is None else mode
-        self.state = "watching" if mode == "adapt" and not self.chosen else "off"
-        self.adapted_at: int | None = None  # the first step run with the switched settings
+        self.state = "probing" if mode == "adapt" and not self.chosen else "off"
+        self.adapted_at: int | None = None  # the first step run with the settings kept after the probe or a switch
         self.judged_at: int | None = None
+        self.probe_share: float | None = None  # what the probe read
+        self.bound_ms: float | None = None  # what the judge read
+        self._probed = 0
         self._ahead_run = 0
-        self._before: tuple[int, int] | None = None  # (flush_layers, d2h_in_flight) the switch replaced
-        self._stalls: tuple[float, float] | None = None  # (before, after) medians, once judged
+        self._bound_seen = 0  # the transports' bound_bytes at the last step's close
+        self._before: tuple[int, int] | None = None  # (flush_layers, d2h_in_flight) the adapted settings replaced
 
     @property
     def speaks_for_host_ahead(self) -> bool:
-        """Whether the summary leaves the host-ahead case to this adapter: it logs its own line when it switches,
-        and its own warning when it undoes the switch (the summary's advice would be the switch just undone)."""
+        """Whether the summary leaves the host-ahead case to this adapter: it switches itself, and it warns when it
+        undoes a switch (the summary's advice would be the switch just undone)."""
         return self.state != "off"
 
     def as_dict(self) -> dict[str, Any]:
-        before, after = self._stalls if self._stalls is not None else (None, None)
         return {"state": self.state, "adapted_at_step": self.adapted_at, "judged_at_step": self.judged_at,
-                "stall_ms_before": before, "stall_ms_after": after, "chosen_by_user": list(self.chosen)}
+                "probe_share": self.probe_share, "bound_ms": self.bound_ms, "chosen_by_user": list(self.chosen)}
+
+    def chunk_started(self, manager: Any, transport: Any) -> None:
+        """A training chunk's forward starts on ``transport``: the settings of the current state are on it."""
+        if self.state == "probing" and manager.auto is not None:
+            self.state = "watching"  # auto's probes measure the defaults; after its plan, the four-step switch
+        if self.state in ("probing", "adapted", "kept"):
+            self._apply(manager, [transport])
 
     def step_closed(self, summary: OffloadSummary, manager: Any, transports: list[Any], planning: bool) -> None:
         """A training step's record was just appended to ``summary.steps`` (``planning``: auto still probes, and its
         probe steps differ on purpose: they neither start nor judge a switch)."""
-        if self.state == "watching" and not planning:
-            self._watch(summary, manager, transports)
-        elif self.state in ("adapted", "kept"):
-            self._apply(manager, transports)  # a transport made since (a device first used now) gets it too
-            if self.state == "adapted":
-                self._judge(summary, manager, transports)
+        bound = sum(t.bound_bytes for t in transports)
+        waited, self._bound_seen = bound - self._bound_seen, bound
+        if self.state == "probing":
+            self._probe(summary.steps[-1], waited, manager, transports)
+        elif self.state == "watching" and not planning:
+            self._watch(summary.steps[-1], manager, transports)
+        elif self.state == "adapted":
+            self._judge(summary, manager, transports)
 
-    def _watch(self, summary: OffloadSummary, manager: Any, transports: list[Any]) -> None:
-        rec = summary.steps[-1]
+    def _apply(self, manager: Any, transports: list[Any]) -> None:
+        if self._before is None and transports:
+            self._before = (manager.flush_layers, max(t.d2h_in_flight for t in transports))
+        manager.flush_layers = ADAPTED_FLUSH_LAYERS
+        for t in transports:
+            t.d2h_in_flight = ADAPTED_IN_FLIGHT
+
+    def _restore(self, manager: Any, transports: list[Any]) -> None:
+        if self._before is not None:
+            manager.flush_layers, in_flight = self._before
+            for t in transports:
+                t.d2h_in_flight = in_flight
+
+    def _probe(self, rec: StepRecord, waited: int, manager: Any, transports: list[Any]) -> None:
+        if rec.aborted:
+            return
+        self._probed += 1
+        if self._probed < PROBE_STEPS:
+            return
+        copied = rec.total("offloaded")
+        self.probe_share = waited / copied if copied else 0.0
+        if self.probe_share >= PROBE_SHARE:
+            self.state, self.adapted_at = "adapted", 0
+            logger.info(
+                "offload step %d: the compute stream had to wait for %.0f of the %.0f MiB copied out (the host runs "
+                "ahead of the GPU and sees no copy finish during a forward): keeping one copy-out burst per layer with "
+                "at most %d in flight, as MCORE_OFFLOAD_FLUSH_LAYERS=%d MCORE_OFFLOAD_D2H_IN_FLIGHT=%d (%s=warn runs "
+                "the defaults)", rec.step, waited / 2**20, copied / 2**20, ADAPTED_IN_FLIGHT, ADAPTED_FLUSH_LAYERS,
+                ADAPTED_IN_FLIGHT, HOST_AHEAD_VARIABLE)
+            return
+        self.state = "watching"
+        self._restore(manager, transports)
+        logger.info("offload step %d: the compute stream had to wait for %.0f of the %.0f MiB copied out (the host "
+                    "keeps up with the GPU): the default copy-out bursts from step %d", rec.step, waited / 2**20,
+                    copied / 2**20, rec.step + 1)
+
+    def _watch(self, rec: StepRecord, manager: Any, transports: list[Any]) -> None:
         self._ahead_run = self._ahead_run + 1 if not rec.aborted and host_ran_ahead(rec) else 0
         if self._ahead_run < AHEAD_STEPS or not transports:
             return
-        self._before = (manager.flush_layers, max(t.d2h_in_flight for t in transports))
         self.state, self.adapted_at = "adapted", rec.step + 1
         self._apply(manager, transports)
+        for t in transports:  # time every step until judged, not one in MCORE_OFFLOAD_TELEMETRY_EVERY
+            t.telemetry.timing = t.telemetry.timed
         released = rec.total("released_in_forward") / max(rec.forward_ends, 1)
         logger.info(
             "offload step %d: the host ran ahead of the GPU in %d steps in a row (%.0f of the %.0f MiB a forward "
             "offloads still being copied at its end, so no copied block went back during the forward): from step %d, "
             "one copy-out burst per layer with at most %d in flight, as MCORE_OFFLOAD_FLUSH_LAYERS=%d "
-            "MCORE_OFFLOAD_D2H_IN_FLIGHT=%d (%s=warn keeps the settings)", rec.step, AHEAD_STEPS,
+            "MCORE_OFFLOAD_D2H_IN_FLIGHT=%d (%s=warn keeps the defaults)", rec.step, AHEAD_STEPS,
             rec.trailing_bytes / 2**20, released / 2**20, self.adapted_at, ADAPTED_IN_FLIGHT,
             ADAPTED_FLUSH_LAYERS, ADAPTED_IN_FLIGHT, HOST_AHEAD_VARIABLE)
 
-    def _apply(self, manager: Any, transports: list[Any]) -> None:
-        manager.flush_layers = ADAPTED_FLUSH_LAYERS
-        for t in transports:
-            t.d2h_in_flight = ADAPTED_IN_FLIGHT
-            if self.state == "adapted":  # time every step until judged, not one in MCORE_OFFLOAD_TELEMETRY_EVERY
-                t.telemetry.timing = t.telemetry.timed
-
     def _judge(self, summary: OffloadSummary, manager: Any, transports: list[Any]) -> None:
-        """Once ``JUDGED_STEPS`` switched steps have their link figures (usually a step late): keep the switch, or
-        undo it where the compute stream waited on the copies longer by more than the margin."""
-        after = _timed(summary.steps[self.adapted_at:])
-        if len(after) < JUDGED_STEPS:
+        """Once ``JUDGED_STEPS`` adapted steps have their link figures (usually a step late): keep the settings, or
+        undo them where the compute stream waited on copy-out bursts longer than the margin."""
+        timed = [r for r in summary.steps[max(self.adapted_at, 1):]
+                 if not r.aborted and r.link is not None and r.link.bound_ms is not None][:JUDGED_STEPS]
+        if len(timed) < JUDGED_STEPS:
+            for t in transports:
+                t.telemetry.timing = t.telemetry.timed
             return
-        after = after[:JUDGED_STEPS]
-        before = _timed(summary.steps[1:self.adapted_at]) or _timed(summary.steps[:self.adapted_at])
-        stall_before = statistics.median(r.link.stall_ms for r in before) if before else 0.0
-        stall_after = statistics.median(r.link.stall_ms for r in after)
-        step_ms = statistics.median(r.host_step_ms or 0.0 for r in after)
-        self._stalls, self.judged_at = (stall_before, stall_after), after[-1].step
+        self.bound_ms = statistics.median(r.link.bound_ms for r in timed)
+        step_ms = statistics.median(r.host_step_ms or 0.0 for r in timed)
+        self.judged_at = timed[-1].step
         margin = max(REVERT_STALL_MIN_MS, REVERT_STALL_SHARE * step_ms)
-        if stall_after - stall_before <= margin:
+        if self.bound_ms <= margin:
             self.state = "kept"
-            logger.info("offload: per-layer copy-out bursts kept after steps %d-%d: stall %.2f ms a step against "
-                        "%.2f ms before", after[0].step, after[-1].step, stall_after, stall_before)
+            logger.info("offload: per-layer copy-out bursts kept after steps %d-%d: the compute stream waited %.2f ms "
+                        "a step on them", timed[0].step, timed[-1].step, self.bound_ms)
             return
         self.state = "reverted"
-        manager.flush_layers, in_flight = self._before
-        for t in transports:
-            t.d2h_in_flight = in_flight
+        self._restore(manager, transports)
         logger.warning(
             "offload steps %d-%d: with one copy-out burst per layer and %d in flight the compute stream waited "
-            "%.1f ms a step on the copies against %.1f ms before (more than %.1f ms of a %.0f ms step), so the link "
-            "does not keep up with the forward: the earlier settings are back from step %d, and copies still running "
-            "at a forward's end stay allocated at a peak there. Offload fewer points, or set "
-            "MCORE_OFFLOAD_D2H_IN_FLIGHT yourself to trade step time for memory", after[0].step, after[-1].step,
-            ADAPTED_IN_FLIGHT, stall_after, stall_before, margin, step_ms, summary.steps[-1].step + 1)
-
-
-def _timed(records: list[StepRecord]) -> list[StepRecord]:
-    """The records with a GPU-timed stall, unaborted."""
-    return [r for r in records if not r.aborted and r.link is not None and r.link.stall_ms is not None]
+            "%.1f ms a step on the copies (more than %.1f ms of a %.0f ms step), so the link does not keep up with "
+            "the forward: the default copy-out settings are back from step %d, and copies still running at a "
+            "forward's end stay allocated at a peak there. Offload fewer points, or set MCORE_OFFLOAD_D2H_IN_FLIGHT "
+            "yourself to trade step time for memory", timed[0].step, timed[-1].step, ADAPTED_IN_FLIGHT,
+            self.bound_ms, margin, step_ms, summary.steps[-1].step + 1)

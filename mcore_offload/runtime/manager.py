@@ -134,7 +134,7 @@ class OffloadManager:
         self.side_streams = side_stream_kind()  # and a bad MCORE_OFFLOAD_SIDE_STREAMS
         d2h_in_flight_from_env()  # and a bad MCORE_OFFLOAD_D2H_IN_FLIGHT (the transports read it when made)
         forward_end_from_env()  # and MCORE_OFFLOAD_FORWARD_END
-        # where the host runs ahead of a GPU-bound forward: per-layer bursts, two in flight (runtime/host_ahead.py)
+        # the copy-out settings by how far the host runs ahead of the GPU (runtime/host_ahead.py)
         self.host_ahead = self.summary.host_ahead = HostAheadAdapter()
         # the C++ saved-tensor hooks (runtime/native), or None: the Python ones (MCORE_OFFLOAD_NATIVE)
         self.native = load_native()
@@ -219,6 +219,7 @@ class OffloadManager:
         self.handlers.append(handler)
         self.forward_handler = handler
         self._trained = True
+        self.host_ahead.chunk_started(self, handler.transport)  # the copy-out settings (runtime/host_ahead.py)
         stats = (peak_statistics(device) if self.auto is not None and self.auto.tracing_peak
                  and self._peak_reader is None else None)
         if stats is not None:

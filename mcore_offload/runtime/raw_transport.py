@@ -228,11 +228,11 @@ class RawCudaTransport(CoalescedReloads, CudaTransport):
             rt.fail("cudaEventRecord", err)
         return done
 
-    def wait(self, event):
+    def wait(self, event, kind="stall"):
         if event is not None:
             compute = self._compute_handle()
             arrival = self.telemetry.mark(compute)  # see CudaTransport.wait
             err = self.rt.stream_wait(compute, event.handle, 0)
             if err:
                 self.rt.fail("cudaStreamWaitEvent", err)
-            self.telemetry.span("stall", arrival, event, keep_end=True)
+            self.telemetry.span(kind, arrival, event, keep_end=True)

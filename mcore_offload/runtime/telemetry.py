@@ -51,12 +51,16 @@ class StepLink:
     d2h_ms: float | None = None
     h2d_ms: float | None = None
     waits: int = 0
+    # the part of stall_ms spent waiting for copy-out bursts (MCORE_OFFLOAD_D2H_IN_FLIGHT, the forward-end wait, the
+    # host-ahead switch), not for reloads
+    bound_ms: float | None = None
 
 
 @dataclass
 class _Pending:
     step: int
-    # (kind, start event, end event, bytes, end event is the caller's); kind is "d2h", "h2d" or "stall"
+    # (kind, start event, end event, bytes, end event is the caller's); kind is "d2h", "h2d", "stall" (a wait for a
+    # reload) or "bound" (a wait for a copy-out burst)
     spans: list[tuple[str, Any, Any, int, bool]] = field(default_factory=list)
 
 
@@ -122,7 +126,8 @@ class LinkTelemetry:
         # do its ends (d2h: the D2H stream; h2d: the H2D stream; stall: compute, then an H2D burst's done event of
         # this step, which is also the end of that burst's h2d span): the last start and the last end of each kind
         # stand for all of them (one query each instead of one per span, on the step's end). Stalls may wait on
-        # bursts out of their recording order; the last h2d end covers every stall end.
+        # bursts out of their recording order; the last h2d end covers every stall end. bound: compute, then a D2H
+        # burst's done event, waited for oldest burst first.
         last: dict[tuple[str, int], Any] = {}
         for kind, start, end, _, _ in pending.spans:
             if start is not None:  # an untimed step has no starts: nothing to wait for
@@ -139,7 +144,7 @@ class LinkTelemetry:
 
     def _read(self, pending: _Pending) -> StepLink:
         link = StepLink()
-        ms = {"d2h": 0.0, "h2d": 0.0, "stall": 0.0}
+        ms = {"d2h": 0.0, "h2d": 0.0, "stall": 0.0, "bound": 0.0}
         timed = False
         for kind, start, end, nbytes, keep_end in pending.spans:
             if kind == "d2h":
@@ -157,7 +162,8 @@ class LinkTelemetry:
                 if not keep_end:
                     self._free.append(end)
         if self.timed and (timed or not pending.spans):
-            link.stall_ms = ms["stall"] if link.waits else 0.0
+            link.stall_ms = ms["stall"] + ms["bound"] if link.waits else 0.0
+            link.bound_ms = ms["bound"]
             link.d2h_ms, link.h2d_ms = ms["d2h"], ms["h2d"]
             # bytes per ms / 1e6 = GB/s
             link.d2h_GBps = link.d2h_bytes / ms["d2h"] / 1e6 if link.d2h_bytes and ms["d2h"] > 0 else None

@@ -102,6 +102,9 @@ class Transport:
 
     d2h_in_flight = 0  # MCORE_OFFLOAD_D2H_IN_FLIGHT (CudaTransport.bound_in_flight); 0: no bound
     in_flight_waits = 0  # the compute stream's waits for copy-out bursts under that bound (or at forward ends)
+    # the bytes of the copy-out bursts those waits covered, all steps (runtime/host_ahead.py reads it per step: where
+    # the compute stream had to wait for nearly all it copied out, the host saw no burst finish, i.e. ran ahead)
+    bound_bytes = 0
     # MCORE_OFFLOAD_FORWARD_END=wait: at a forward's end the compute stream waits for the bursts still running instead
     # of handing their blocks to the allocator (as it does under any MCORE_OFFLOAD_D2H_IN_FLIGHT bound)
     wait_at_forward_end = False
@@ -308,14 +311,15 @@ class CudaTransport(Transport):
         self.telemetry.span("h2d", start, events[-1], sum(sizes), keep_end=True)
         return [dst.untyped_storage() for dst in out], events
 
-    def wait(self, event):
+    def wait(self, event, kind: str = "stall"):
+        """The compute stream waits for ``event``; ``kind`` "bound" for a copy-out burst (telemetry's ``bound_ms``)."""
         if event is not None:
             compute = self._current()
             # The stall is how long after the compute stream reached this wait the awaited copy finished: one mark
             # here and the copy burst's own (timed) done event, instead of two marks around the wait.
             arrival = self.telemetry.mark(compute)
             compute.wait_event(event)
-            self.telemetry.span("stall", arrival, event, keep_end=True)
+            self.telemetry.span(kind, arrival, event, keep_end=True)
 
     def bound_in_flight(self) -> None:
         """Before a copy-out burst, with ``MCORE_OFFLOAD_D2H_IN_FLIGHT=N``: if N bursts are still in flight, the
@@ -341,9 +345,9 @@ class CudaTransport(Transport):
         """The compute stream waits for the oldest ``count`` held bursts, which are then dropped (one D2H stream runs
         the bursts in order: waiting for the newest of them covers the older ones)."""
         held = self._held
-        self.wait(held[count - 1][0])
+        self.wait(held[count - 1][0], "bound")
         for _ in range(count):
-            held.popleft()
+            self.bound_bytes += sum(t.untyped_storage().nbytes() for t in held.popleft()[1])
         self.in_flight_waits += 1
 
     def release_copied(self, final=False):
