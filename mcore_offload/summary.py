@@ -291,11 +291,13 @@ class OffloadSummary:
         return True
 
     def link_series(self) -> dict[str, list]:
-        """Per step: stall_ms, d2h_GBps, h2d_GBps, runtime_cpu_ms (None where not measured), trailing_bytes."""
+        """Per step: stall_ms (bound_ms of it on copy-out bursts), d2h_GBps, h2d_GBps, runtime_cpu_ms (None where not
+        measured), trailing_bytes."""
         def col(name: str) -> list:
             return [None if s.link is None else getattr(s.link, name) for s in self.steps]
 
-        return {"stall_ms": col("stall_ms"), "d2h_GBps": col("d2h_GBps"), "h2d_GBps": col("h2d_GBps"),
+        return {"stall_ms": col("stall_ms"), "bound_ms": col("bound_ms"), "d2h_GBps": col("d2h_GBps"),
+                "h2d_GBps": col("h2d_GBps"),
                 "d2h_bytes": col("d2h_bytes"), "h2d_bytes": col("h2d_bytes"),
                 "runtime_cpu_ms": [s.runtime_cpu_ms for s in self.steps],
                 "trailing_bytes": [s.trailing_bytes for s in self.steps]}

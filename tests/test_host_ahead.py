@@ -18,7 +18,7 @@ from mcore_offload.runtime.host_ahead import (
 )
 from mcore_offload.runtime.manager import get_manager
 from mcore_offload.runtime.telemetry import LinkTelemetry, StepLink
-from mcore_offload.summary import OffloadSummary
+from mcore_offload.summary import OffloadSummary, StepRecord
 from tests.test_telemetry import FakeEvent
 
 MIB = 2**20
@@ -251,6 +251,9 @@ def test_a_wait_for_copy_out_bursts_counts_their_bytes_and_its_own_telemetry_kin
         e.done = True
     [(_, link)] = tel.resolve()
     assert link.bound_ms == pytest.approx(3.0) and link.stall_ms == pytest.approx(6.5) and link.waits == 2
+    summary = OffloadSummary()
+    summary.steps.append(StepRecord(0, False, {}, link=link))
+    assert summary.link_series()["bound_ms"] == [pytest.approx(3.0)]  # per step in the JSON (as_dict's per_step)
 
 
 def test_the_manager_puts_the_settings_on_at_a_chunk_start_and_decides_at_end_step(monkeypatch):
