@@ -74,6 +74,10 @@ class StepRecord:
     def total(self, counter: str) -> int:
         return sum(c[counter] for c in self.points.values())
 
+    def released_per_forward(self) -> float:
+        """The bytes released during forwards, per chunk forward that ended in this step."""
+        return self.total("released_in_forward") / max(self.forward_ends, 1)
+
 
 @dataclass(slots=True)  # the C++ runtime reads and writes its fields about 45 times a layer-microbatch: one load each
 class OffloadSummary:
@@ -265,7 +269,7 @@ class OffloadSummary:
         warn. The advice follows the cause: with (nearly) all of a forward's bytes trailing, the host ran ahead of the
         GPU and the peak inside the forward needs the bound, not the forward-end wait (session 85's B). True if it
         warned."""
-        released = rec.total("released_in_forward") / max(rec.forward_ends, 1)
+        released = rec.released_per_forward()
         if self.trailing_copies_warned or rec.trailing_bytes < max(TRAILING_MIN_BYTES, released * TRAILING_SHARE):
             return False
         ahead = host_ran_ahead(rec)
@@ -371,8 +375,7 @@ class OffloadSummary:
 def host_ran_ahead(rec: StepRecord) -> bool:
     """Whether nearly all a forward released was still being copied at its end (at least ``TRAILING_MIN_BYTES``):
     the host saw no copy-out burst finish during the forward, i.e. it ran ahead of a GPU-bound forward."""
-    released = rec.total("released_in_forward") / max(rec.forward_ends, 1)
-    return rec.trailing_bytes >= max(TRAILING_MIN_BYTES, HOST_AHEAD_SHARE * released)
+    return rec.trailing_bytes >= max(TRAILING_MIN_BYTES, HOST_AHEAD_SHARE * rec.released_per_forward())
 
 
 def _fmt(x: float | None) -> str:

@@ -180,7 +180,7 @@ class HostAheadAdapter:
         self._apply(manager, transports)
         for t in transports:  # time every step until judged, not one in MCORE_OFFLOAD_TELEMETRY_EVERY
             t.telemetry.timing = t.telemetry.timed
-        released = rec.total("released_in_forward") / max(rec.forward_ends, 1)
+        released = rec.released_per_forward()
         logger.info(
             "offload step %d: the host ran ahead of the GPU in %d steps in a row (%.0f of the %.0f MiB a forward "
             "offloads still being copied at its end, so no copied block went back during the forward): from step %d, "
