@@ -13,11 +13,14 @@ calls (A's attention set: +1.06 % over the defaults), where a host that runs ahe
 
 Which case a run is can only be seen by running it, and the memory a job needs is its worst step's, so the first
 ``PROBE_STEPS`` training steps run with per-layer bursts and two in flight (a job's peak usually comes in its first
-steps). The probe then reads how much of what the last of them copied out the compute stream had to wait for:
-where the host runs ahead, it sees no burst finish and every burst ends in a wait; where it is behind, it finds them
-finished, and only the last at each forward's end is waited for. At ``PROBE_SHARE`` or more the settings stay, else the
-defaults come back. A run that the probe sent back to the defaults still switches where the host runs ahead in
-``AHEAD_STEPS`` steps in a row (``summary.host_ran_ahead``: nearly all a forward offloads still copying at its end).
+steps). The probe then reads two figures of the last of them. First, how much of what it copied out the compute
+stream had to wait for: where the host runs ahead, it sees no burst finish and most bursts end in a wait; where it is
+behind, it finds them finished, and only the last at each forward's end is waited for. Under ``PROBE_SHARE`` the
+defaults come back at once. Second, once its GPU-timed figures are in (a step later), how long those waits took
+(``StepLink.bound_ms``): a host that runs ahead while the link keeps up waits for nothing on the GPU; where the link
+cannot keep up with the forward, the waits are step time, and the defaults come back for good. A run the share sent
+back to the defaults still switches where the host runs ahead in ``AHEAD_STEPS`` steps in a row
+(``summary.host_ran_ahead``: nearly all a forward offloads still copying at its end).
 
 Kept settings are judged by the telemetry the runtime keeps anyway: where the compute stream waits on the copy-out
 bursts (``StepLink.bound_ms``) for more than ``REVERT_STALL_MIN_MS`` and ``REVERT_STALL_SHARE`` of a step's forward
@@ -53,9 +56,13 @@ ADAPTED_IN_FLIGHT = 2
 PROBE_STEPS = 2
 # the share of a step's copied-out bytes the compute stream waited for, at and above which the host ran ahead: with
 # the host behind, only the bursts still running at each forward's end are waited for (one or two of a forward's).
-# Session 86: B 0.97 (kept: +0.71 %, Δpeak 1150 MiB in every step); A's attention set on a fast host, where the link
-# cannot keep up with the forward, 0.67, which the first threshold (0.5) kept at +8.1 % against +3.2 % by default
-PROBE_SHARE = 0.9
+# B's attention set read 0.97 (session 86) and 0.79 (session 87, on a slower host); A's attention set 0.67 on a fast
+# host, where the link cannot keep up with the forward (the waits' own time sends it back), and 0.00 on a slow one;
+# C's experts 0.00 on both. Session 86's 0.9 sent B's 0.79 to the defaults, at Δpeak 750 MiB until a later switch
+PROBE_SHARE = 0.5
+# steps the probe waits, past its last, for that step's GPU-timed waits; a transport without a clock never has them,
+# and the share alone decides (the judge then never does)
+PROBE_LINK_STEPS = 2
 # a run on the defaults switches after this many host-ahead steps in a row. A single step is not a pattern: A's
 # attention set on a fast host, where the link cannot keep up with the forward, had its whole forward trailing in 3
 # of 50 steps, two of them in a row, and a two-step trigger switched it (session 86: 17 ms more stall a step)
@@ -63,8 +70,9 @@ AHEAD_STEPS = 4
 # the kept settings are judged on this many timed steps (after the probe's warm-up step; steps 0-3 are always timed)
 JUDGED_STEPS = 3
 # ... and undone where the compute stream waited on copy-out bursts, on average, for more than this share of the
-# step's forward and backward (its chunks' first start to its close, on the host) and this many ms. Session 86's A
-# waited 12.6, 0.0 and 2.6 ms in steps 1-3 of about 330: the mean, 5.1, is over 1 %; a median would have read 0
+# step's forward and backward (its chunks' first start to its close, on the host) and this many ms; the probe's own
+# step is held to the same margin. Session 86's A waited 12.6, 0.0 and 2.6 ms in steps 1-3 of about 330: the first
+# alone is over 1 %, and so is the mean, 5.1; a median would have read 0
 REVERT_STALL_SHARE = 0.01
 REVERT_STALL_MIN_MS = 1.0
 
@@ -96,6 +104,8 @@ class HostAheadAdapter:
         self.bound_ms: float | None = None  # what the judge read
         self._probed = 0
         self._ahead_run = 0
+        self._probe_rec: StepRecord | None = None  # the probe's last step, once its share passed
+        self._probe_waited = 0
         self._bound_seen = 0  # the transports' bound_bytes at the last step's close
         self._before: tuple[int, int] | None = None  # (flush_layers, d2h_in_flight) the adapted settings replaced
         self._step_t0: int | None = None  # perf_counter_ns() at the current step's first chunk start
@@ -130,7 +140,7 @@ class HostAheadAdapter:
                 self.step_spans_ms[summary.steps[-1].step] = (perf_counter_ns() - self._step_t0) / 1e6
             self._step_t0 = None
         if self.state == "probing":
-            self._probe(summary.steps[-1], waited, manager, transports)
+            self._probe(summary, waited, manager, transports)
         elif self.state == "watching" and not planning:
             self._watch(summary.steps[-1], manager, transports)
         elif self.state == "adapted":
@@ -149,28 +159,55 @@ class HostAheadAdapter:
             for t in transports:
                 t.d2h_in_flight = in_flight
 
-    def _probe(self, rec: StepRecord, waited: int, manager: Any, transports: list[Any]) -> None:
-        if rec.aborted:
+    def _probe(self, summary: OffloadSummary, waited: int, manager: Any, transports: list[Any]) -> None:
+        rec = summary.steps[-1]
+        if self._probe_rec is None:
+            if rec.aborted:
+                return
+            self._probed += 1
+            if self._probed < PROBE_STEPS:
+                return
+            copied = rec.total("offloaded")
+            self.probe_share = waited / copied if copied else 0.0
+            if self.probe_share < PROBE_SHARE:
+                self.state = "watching"
+                self._restore(manager, transports)
+                logger.info("offload step %d: the compute stream had to wait for %.0f of the %.0f MiB copied out "
+                            "(the host keeps up with the GPU): the default copy-out bursts from step %d", rec.step,
+                            waited / 2**20, copied / 2**20, rec.step + 1)
+                return
+            self._probe_rec, self._probe_waited = rec, waited
+        for t in transports:  # the probe step's figures come a step late; keep timing until they do
+            t.telemetry.timing = t.telemetry.timed
+        probe, link = self._probe_rec, self._probe_rec.link
+        if (link is None or link.bound_ms is None) and rec.step - probe.step < PROBE_LINK_STEPS:
             return
-        self._probed += 1
-        if self._probed < PROBE_STEPS:
-            return
-        copied = rec.total("offloaded")
-        self.probe_share = waited / copied if copied else 0.0
-        if self.probe_share >= PROBE_SHARE:
-            self.state, self.adapted_at = "adapted", 0
+        bound_ms = None if link is None else link.bound_ms
+        span_ms = self.step_spans_ms.get(probe.step, 0.0)
+        copied = probe.total("offloaded")
+        if bound_ms is not None and bound_ms > self._margin(span_ms):
+            self.state, self.bound_ms, self.judged_at = "reverted", bound_ms, probe.step
+            self.step_spans_ms.clear()
+            self._restore(manager, transports)
             logger.info(
-                "offload step %d: the compute stream had to wait for %.0f of the %.0f MiB copied out (the host runs "
-                "ahead of the GPU and sees no copy finish during a forward): keeping one copy-out burst per layer with "
-                "at most %d in flight, as MCORE_OFFLOAD_FLUSH_LAYERS=%d MCORE_OFFLOAD_D2H_IN_FLIGHT=%d (%s=warn runs "
-                "the defaults)", rec.step, waited / 2**20, copied / 2**20, ADAPTED_IN_FLIGHT, ADAPTED_FLUSH_LAYERS,
-                ADAPTED_IN_FLIGHT, HOST_AHEAD_VARIABLE)
+                "offload step %d: with one copy-out burst per layer and %d in flight the compute stream waited %.1f ms "
+                "on the copies (more than %.1f ms of a %.0f ms forward and backward), so the link does not keep up "
+                "with the forward: the default copy-out bursts from step %d", probe.step, ADAPTED_IN_FLIGHT, bound_ms,
+                self._margin(span_ms), span_ms, rec.step + 1)
             return
-        self.state = "watching"
-        self._restore(manager, transports)
-        logger.info("offload step %d: the compute stream had to wait for %.0f of the %.0f MiB copied out (the host "
-                    "keeps up with the GPU): the default copy-out bursts from step %d", rec.step, waited / 2**20,
-                    copied / 2**20, rec.step + 1)
+        self.state, self.adapted_at = "adapted", 0
+        logger.info(
+            "offload step %d: the compute stream had to wait for %.0f of the %.0f MiB copied out (the host runs ahead "
+            "of the GPU and sees no copy finish during a forward), %s ms on the GPU: keeping one copy-out burst per "
+            "layer with at most %d in flight, as MCORE_OFFLOAD_FLUSH_LAYERS=%d MCORE_OFFLOAD_D2H_IN_FLIGHT=%d (%s=warn "
+            "runs the defaults)", probe.step, self._probe_waited / 2**20, copied / 2**20,
+            "untimed" if bound_ms is None else f"{bound_ms:.2f}", ADAPTED_IN_FLIGHT, ADAPTED_FLUSH_LAYERS,
+            ADAPTED_IN_FLIGHT, HOST_AHEAD_VARIABLE)
+
+    @staticmethod
+    def _margin(span_ms: float) -> float:
+        """The copy-out waits a step may take with the adapted settings kept (see ``REVERT_STALL_SHARE``)."""
+        return max(REVERT_STALL_MIN_MS, REVERT_STALL_SHARE * span_ms)
 
     def _watch(self, rec: StepRecord, manager: Any, transports: list[Any]) -> None:
         self._ahead_run = self._ahead_run + 1 if not rec.aborted and host_ran_ahead(rec) else 0
@@ -202,7 +239,7 @@ class HostAheadAdapter:
         step_ms = sum(self.step_spans_ms.get(r.step, 0.0) for r in timed) / len(timed)
         self.judged_at = timed[-1].step
         self.step_spans_ms.clear()
-        margin = max(REVERT_STALL_MIN_MS, REVERT_STALL_SHARE * step_ms)
+        margin = self._margin(step_ms)
         if self.bound_ms <= margin:
             self.state = "kept"
             logger.info("offload: per-layer copy-out bursts kept after steps %d-%d: the compute stream waited %.2f ms "
