@@ -364,6 +364,10 @@ class OffloadSummary:
         if adapter is not None and adapter.adapted_at is not None:
             lines.append(f"host ahead of the GPU: per-layer copy-out bursts from step {adapter.adapted_at}, "
                          f"{adapter.state} (MCORE_OFFLOAD_HOST_AHEAD)")
+        elif adapter is not None and adapter.state == "reverted":  # the probe's own waits sent it back
+            lines.append(f"host ahead of the GPU: per-layer copy-out bursts probed, reverted after the compute stream "
+                         f"waited {adapter.bound_ms:.1f} ms on them in step {adapter.judged_at} "
+                         f"(MCORE_OFFLOAD_HOST_AHEAD)")
         if bound:
             lines.append(f"copy-out bound: {bound} burst(s) in flight (MCORE_OFFLOAD_D2H_IN_FLIGHT), "
                          f"{waits} waits so far")

@@ -121,6 +121,8 @@ def test_the_probe_sends_back_a_run_whose_copy_out_waits_cost_step_time(rig, cap
                            "waited 12.6 ms on the copies (more than 3.3 ms of a 330 ms forward and backward)")
     assert "the default copy-out bursts from step 3" in line
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    assert "per-layer copy-out bursts probed, reverted after the compute stream waited 12.6 ms on them in step 1" \
+        in rig.summary.table()
 
 
 def test_without_the_probe_steps_figures_the_share_decides(rig):
