@@ -86,7 +86,8 @@ class HostAheadAdapter:
     """Chooses the copy-out settings per rank; the manager calls :meth:`chunk_started` and :meth:`step_closed`.
 
     ``state``: ``off`` (``warn`` mode, or the user chose the settings), ``probing`` (the first steps, adapted
-    settings), ``watching`` (defaults), ``adapted`` (adapted settings, not yet judged), ``kept`` or ``reverted``.
+    settings), ``watching`` (defaults), ``adapted`` (adapted settings, not yet judged), ``kept`` or ``reverted`` (by
+    the judge, or by the probe step's own copy-out waits: then ``adapted_at`` is None).
     """
 
     def __init__(self, mode: str | None = None, environ: Any = None) -> None:
@@ -101,7 +102,7 @@ class HostAheadAdapter:
         self.adapted_at: int | None = None  # the first step run with the settings kept after the probe or a switch
         self.judged_at: int | None = None
         self.probe_share: float | None = None  # what the probe read
-        self.bound_ms: float | None = None  # what the judge read
+        self.bound_ms: float | None = None  # the copy-out waits the judge (or the probe's wait check) read
         self._probed = 0
         self._ahead_run = 0
         self._probe_rec: StepRecord | None = None  # the probe's last step, once its share passed
