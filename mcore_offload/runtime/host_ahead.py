@@ -106,7 +106,6 @@ class HostAheadAdapter:
         self._probed = 0
         self._ahead_run = 0
         self._probe_rec: StepRecord | None = None  # the probe's last step, once its share passed
-        self._probe_waited = 0
         self._bound_seen = 0  # the transports' bound_bytes at the last step's close
         self._before: tuple[int, int] | None = None  # (flush_layers, d2h_in_flight) the adapted settings replaced
         self._step_t0: int | None = None  # perf_counter_ns() at the current step's first chunk start
@@ -177,7 +176,7 @@ class HostAheadAdapter:
                             "(the host keeps up with the GPU): the default copy-out bursts from step %d", rec.step,
                             waited / 2**20, copied / 2**20, rec.step + 1)
                 return
-            self._probe_rec, self._probe_waited = rec, waited
+            self._probe_rec = rec
         for t in transports:  # the probe step's figures come a step late; keep timing until they do
             t.telemetry.timing = t.telemetry.timed
         probe, link = self._probe_rec, self._probe_rec.link
@@ -185,8 +184,8 @@ class HostAheadAdapter:
             return
         bound_ms = None if link is None else link.bound_ms
         span_ms = self.step_spans_ms.get(probe.step, 0.0)
-        copied = probe.total("offloaded")
-        if bound_ms is not None and bound_ms > self._margin(span_ms):
+        margin = self._margin(span_ms)
+        if bound_ms is not None and bound_ms > margin:
             self.state, self.bound_ms, self.judged_at = "reverted", bound_ms, probe.step
             self.step_spans_ms.clear()
             self._restore(manager, transports)
@@ -194,14 +193,15 @@ class HostAheadAdapter:
                 "offload step %d: with one copy-out burst per layer and %d in flight the compute stream waited %.1f ms "
                 "on the copies (more than %.1f ms of a %.0f ms forward and backward), so the link does not keep up "
                 "with the forward: the default copy-out bursts from step %d", probe.step, ADAPTED_IN_FLIGHT, bound_ms,
-                self._margin(span_ms), span_ms, rec.step + 1)
+                margin, span_ms, rec.step + 1)
             return
         self.state, self.adapted_at = "adapted", 0
+        copied = probe.total("offloaded")
         logger.info(
             "offload step %d: the compute stream had to wait for %.0f of the %.0f MiB copied out (the host runs ahead "
             "of the GPU and sees no copy finish during a forward), %s ms on the GPU: keeping one copy-out burst per "
             "layer with at most %d in flight, as MCORE_OFFLOAD_FLUSH_LAYERS=%d MCORE_OFFLOAD_D2H_IN_FLIGHT=%d (%s=warn "
-            "runs the defaults)", probe.step, self._probe_waited / 2**20, copied / 2**20,
+            "runs the defaults)", probe.step, self.probe_share * copied / 2**20, copied / 2**20,
             "untimed" if bound_ms is None else f"{bound_ms:.2f}", ADAPTED_IN_FLIGHT, ADAPTED_FLUSH_LAYERS,
             ADAPTED_IN_FLIGHT, HOST_AHEAD_VARIABLE)
 
