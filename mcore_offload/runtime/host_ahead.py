@@ -177,8 +177,7 @@ class HostAheadAdapter:
                             waited / 2**20, copied / 2**20, rec.step + 1)
                 return
             self._probe_rec = rec
-        for t in transports:  # the probe step's figures come a step late; keep timing until they do
-            t.telemetry.timing = t.telemetry.timed
+        self._time_next_step(transports)  # the probe step's figures come a step late; keep timing until they do
         probe, link = self._probe_rec, self._probe_rec.link
         if (link is None or link.bound_ms is None) and rec.step - probe.step < PROBE_LINK_STEPS:
             return
@@ -206,6 +205,12 @@ class HostAheadAdapter:
             ADAPTED_IN_FLIGHT, HOST_AHEAD_VARIABLE)
 
     @staticmethod
+    def _time_next_step(transports: list[Any]) -> None:
+        """Time the next step on every transport with a clock, whatever MCORE_OFFLOAD_TELEMETRY_EVERY says."""
+        for t in transports:
+            t.telemetry.timing = t.telemetry.timed
+
+    @staticmethod
     def _margin(span_ms: float) -> float:
         """The copy-out waits a step may take with the adapted settings kept (see ``REVERT_STALL_SHARE``)."""
         return max(REVERT_STALL_MIN_MS, REVERT_STALL_SHARE * span_ms)
@@ -216,8 +221,7 @@ class HostAheadAdapter:
             return
         self.state, self.adapted_at = "adapted", rec.step + 1
         self._apply(manager, transports)
-        for t in transports:  # time every step until judged, not one in MCORE_OFFLOAD_TELEMETRY_EVERY
-            t.telemetry.timing = t.telemetry.timed
+        self._time_next_step(transports)  # every step until judged, not one in MCORE_OFFLOAD_TELEMETRY_EVERY
         released = rec.released_per_forward()
         logger.info(
             "offload step %d: the host ran ahead of the GPU in %d steps in a row (%.0f of the %.0f MiB a forward "
@@ -233,8 +237,7 @@ class HostAheadAdapter:
         timed = [r for r in summary.steps[max(self.adapted_at, 1):]
                  if not r.aborted and r.link is not None and r.link.bound_ms is not None][:JUDGED_STEPS]
         if len(timed) < JUDGED_STEPS:
-            for t in transports:
-                t.telemetry.timing = t.telemetry.timed
+            self._time_next_step(transports)
             return
         self.bound_ms = sum(r.link.bound_ms for r in timed) / len(timed)
         step_ms = sum(self.step_spans_ms.get(r.step, 0.0) for r in timed) / len(timed)
