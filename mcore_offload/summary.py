@@ -366,13 +366,15 @@ class OffloadSummary:
                          f"{adapter.state} (MCORE_OFFLOAD_HOST_AHEAD)")
         elif adapter is not None and adapter.state == "reverted":  # the probe's own waits sent it back
             lines.append(f"host ahead of the GPU: per-layer copy-out bursts probed, reverted after the compute stream "
-                         f"waited {adapter.bound_ms:.1f} ms on them in step {adapter.judged_at} "
-                         f"(MCORE_OFFLOAD_HOST_AHEAD)")
+                         f"waited {adapter.bound_ms:.1f} ms on them in step {adapter.judged_at}: the defaults with the "
+                         f"forward-end wait (MCORE_OFFLOAD_HOST_AHEAD)")
         if bound:
             lines.append(f"copy-out bound: {bound} burst(s) in flight (MCORE_OFFLOAD_D2H_IN_FLIGHT), "
                          f"{waits} waits so far")
         elif any(t.wait_at_forward_end for t in transports):
-            lines.append(f"copy-out waited for at forward ends (MCORE_OFFLOAD_FORWARD_END=wait), {waits} waits so far")
+            reverted = adapter is not None and adapter.state == "reverted"
+            how = "after a revert" if reverted else "MCORE_OFFLOAD_FORWARD_END=wait"
+            lines.append(f"copy-out waited for at forward ends ({how}), {waits} waits so far")
         return "\n".join(lines)
 
 

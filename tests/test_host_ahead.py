@@ -115,14 +115,22 @@ def test_the_probe_sends_back_a_run_whose_copy_out_waits_cost_step_time(rig, cap
         for _ in range(AHEAD_STEPS + 1):  # the host runs ahead again later: no switch
             rig.step(trailing_mib=FORWARD_MIB)
     assert rig.adapter.state == "reverted" and _settings(rig) == (2, 0)
+    # copies that trail the forward must not count at the peak after it: the forward-end wait comes with the defaults,
+    # also on a transport made after the revert (a later chunk's)
+    assert rig.transport.wait_at_forward_end
+    later = _transport()
+    rig.adapter.chunk_started(rig.manager, later)
+    assert later.wait_at_forward_end and later.d2h_in_flight == 0
     assert rig.adapter.bound_ms == 12.6 and rig.adapter.judged_at == 1 and not rig.adapter.step_spans_ms
     [line] = [r.getMessage() for r in caplog.records if "does not keep up" in r.getMessage()]
     assert line.startswith("offload step 1: with one copy-out burst per layer and 2 in flight the compute stream "
                            "waited 12.6 ms on the copies (more than 3.3 ms of a 330 ms forward and backward)")
-    assert "the default copy-out bursts from step 3" in line
+    assert "the default copy-out bursts from step 3, the compute stream waiting at each forward's end" in line
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
-    assert "per-layer copy-out bursts probed, reverted after the compute stream waited 12.6 ms on them in step 1" \
-        in rig.summary.table()
+    table = rig.summary.table()
+    assert "per-layer copy-out bursts probed, reverted after the compute stream waited 12.6 ms on them in step 1: " \
+        "the defaults with the forward-end wait" in table
+    assert "copy-out waited for at forward ends (after a revert)" in table
 
 
 def test_without_the_probe_steps_figures_the_share_decides(rig):
@@ -147,6 +155,7 @@ def test_the_defaults_come_back_where_the_host_keeps_up(rig, caplog, waited_mib)
     assert rig.adapter.state == "watching" and _settings(rig) == (2, 0)
     rig.step()
     assert _settings(rig) == (2, 0)  # a chunk start no longer puts the adapted settings on
+    assert not rig.transport.wait_at_forward_end  # the host keeps up: nothing trails, no wait
     [line] = [r.getMessage() for r in caplog.records if "copied out" in r.getMessage()]
     assert f"{waited_mib} of the 5248 MiB" in line and "the default copy-out bursts from step 2" in line
 
@@ -170,13 +179,13 @@ def test_kept_settings_are_judged_on_the_copy_out_waits_and_undone_where_they_co
         rig.step()  # a chunk start puts nothing back
         for _ in range(AHEAD_STEPS + 1):  # the host runs ahead again: no second switch, and no advice to try it
             rig.step(trailing_mib=FORWARD_MIB)
-    assert rig.adapter.state == "reverted" and _settings(rig) == (2, 0)
+    assert rig.adapter.state == "reverted" and _settings(rig) == (2, 0) and rig.transport.wait_at_forward_end
     assert rig.adapter.bound_ms == pytest.approx(5.0667, abs=1e-3) and rig.adapter.judged_at == 3
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warned) == 1 and warned[0].startswith("offload steps 1-3: with one copy-out burst per layer and 2")
     assert "waited 5.1 ms a step on the copies, on average (more than 3.3 ms of a 330 ms forward and backward)" \
         in warned[0]
-    assert "back from step 5" in warned[0]
+    assert "back from step 5, the compute stream waiting at each forward's end" in warned[0]
 
 
 def test_kept_settings_that_cost_under_the_margin_stay(rig, caplog):

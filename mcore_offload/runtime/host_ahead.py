@@ -18,14 +18,17 @@ stream had to wait for: where the host runs ahead, it sees no burst finish and m
 behind, it finds them finished, and only the last at each forward's end is waited for. Under ``PROBE_SHARE`` the
 defaults come back at once. Second, once its GPU-timed figures are in (a step later), how long those waits took
 (``StepLink.bound_ms``): a host that runs ahead while the link keeps up waits for nothing on the GPU; where the link
-cannot keep up with the forward, the waits are step time, and the defaults come back for good. A run the share sent
+cannot keep up with the forward, the waits are step time, and the defaults come back for good, with the compute stream
+waiting at each chunk's forward end for the copies still running there (``MCORE_OFFLOAD_FORWARD_END=wait``): copies
+that trail the forward would otherwise still count at the peak after it, and the job's worst step would free less than
+it offloads (session 83's A on a fast host: 750 of 1424 MiB in its worst step). A run the share sent
 back to the defaults still switches where the host runs ahead in ``AHEAD_STEPS`` steps in a row
 (``summary.host_ran_ahead``: nearly all a forward offloads still copying at its end).
 
 Kept settings are judged by the telemetry the runtime keeps anyway: where the compute stream waits on the copy-out
 bursts (``StepLink.bound_ms``) for more than ``REVERT_STALL_MIN_MS`` and ``REVERT_STALL_SHARE`` of a step's forward
 and backward, on average over ``JUDGED_STEPS`` steps (a link that cannot keep up with the forward), the defaults come
-back for good, with a warning. Nothing here synchronises with the GPU.
+back for good, with the forward-end wait as above and a warning. Nothing here synchronises with the GPU.
 
 ``MCORE_OFFLOAD_HOST_AHEAD=warn`` (default ``adapt``) runs the defaults throughout and only warns; a user who set
 ``MCORE_OFFLOAD_FLUSH_LAYERS``, ``MCORE_OFFLOAD_D2H_IN_FLIGHT`` or ``MCORE_OFFLOAD_FORWARD_END`` chose already, and
@@ -86,8 +89,9 @@ class HostAheadAdapter:
     """Chooses the copy-out settings per rank; the manager calls :meth:`chunk_started` and :meth:`step_closed`.
 
     ``state``: ``off`` (``warn`` mode, or the user chose the settings), ``probing`` (the first steps, adapted
-    settings), ``watching`` (defaults), ``adapted`` (adapted settings, not yet judged), ``kept`` or ``reverted`` (by
-    the judge, or by the probe step's own copy-out waits: then ``adapted_at`` is None).
+    settings), ``watching`` (defaults), ``adapted`` (adapted settings, not yet judged), ``kept`` or ``reverted`` (the
+    defaults with the forward-end wait; by the judge, or by the probe step's own copy-out waits: then ``adapted_at`` is
+    None).
     """
 
     def __init__(self, mode: str | None = None, environ: Any = None) -> None:
@@ -129,6 +133,8 @@ class HostAheadAdapter:
             self.state = "watching"  # auto's probes measure the defaults; after its plan, the four-step switch
         if self.state in ("probing", "adapted", "kept"):
             self._apply(manager, [transport])
+        elif self.state == "reverted":
+            transport.wait_at_forward_end = True  # a transport made after the revert (see _revert)
 
     def step_closed(self, summary: OffloadSummary, manager: Any, transports: list[Any], planning: bool) -> None:
         """A training step's record was just appended to ``summary.steps`` (``planning``: auto still probes, and its
@@ -159,6 +165,15 @@ class HostAheadAdapter:
             for t in transports:
                 t.d2h_in_flight = in_flight
 
+    def _revert(self, manager: Any, transports: list[Any]) -> None:
+        """The defaults, with the compute stream waiting at each forward's end for the copies still running: the link
+        cannot keep up with the forward, so copies trail it, and without the wait they would still count at the peak
+        that follows (the memory the user asked for, at the cost of the copies' remaining time)."""
+        self.state = "reverted"
+        self._restore(manager, transports)
+        for t in transports:
+            t.wait_at_forward_end = True
+
     def _probe(self, summary: OffloadSummary, waited: int, manager: Any, transports: list[Any]) -> None:
         rec = summary.steps[-1]
         if self._probe_rec is None:
@@ -185,14 +200,15 @@ class HostAheadAdapter:
         span_ms = self.step_spans_ms.get(probe.step, 0.0)
         margin = self._margin(span_ms)
         if bound_ms is not None and bound_ms > margin:
-            self.state, self.bound_ms, self.judged_at = "reverted", bound_ms, probe.step
+            self.bound_ms, self.judged_at = bound_ms, probe.step
             self.step_spans_ms.clear()
-            self._restore(manager, transports)
+            self._revert(manager, transports)
             logger.info(
                 "offload step %d: with one copy-out burst per layer and %d in flight the compute stream waited %.1f ms "
                 "on the copies (more than %.1f ms of a %.0f ms forward and backward), so the link does not keep up "
-                "with the forward: the default copy-out bursts from step %d", probe.step, ADAPTED_IN_FLIGHT, bound_ms,
-                margin, span_ms, rec.step + 1)
+                "with the forward: the default copy-out bursts from step %d, the compute stream waiting at each "
+                "forward's end for the copies still running, so that they do not count at a peak after it",
+                probe.step, ADAPTED_IN_FLIGHT, bound_ms, margin, span_ms, rec.step + 1)
             return
         self.state, self.adapted_at = "adapted", 0
         copied = probe.total("offloaded")
@@ -249,12 +265,11 @@ class HostAheadAdapter:
             logger.info("offload: per-layer copy-out bursts kept after steps %d-%d: the compute stream waited %.2f ms "
                         "a step on them, on average", timed[0].step, timed[-1].step, self.bound_ms)
             return
-        self.state = "reverted"
-        self._restore(manager, transports)
+        self._revert(manager, transports)
         logger.warning(
             "offload steps %d-%d: with one copy-out burst per layer and %d in flight the compute stream waited "
             "%.1f ms a step on the copies, on average (more than %.1f ms of a %.0f ms forward and backward), so the "
-            "link does not keep up with the forward: the default copy-out settings are back from step %d, and copies "
-            "still running at a forward's end stay allocated at a peak there. Offload fewer points, or set "
-            "MCORE_OFFLOAD_D2H_IN_FLIGHT yourself to trade step time for memory", timed[0].step, timed[-1].step,
+            "link does not keep up with the forward: the default copy-out bursts are back from step %d, the compute "
+            "stream waiting at each forward's end for the copies still running, so that they do not count at a peak "
+            "after it. Offload fewer points for less step time", timed[0].step, timed[-1].step,
             ADAPTED_IN_FLIGHT, self.bound_ms, margin, step_ms, summary.steps[-1].step + 1)
