@@ -21,9 +21,9 @@ defaults come back at once. Second, once its GPU-timed figures are in (a step la
 cannot keep up with the forward, the waits are step time, and the defaults come back for good, with the compute stream
 waiting at each chunk's forward end for the copies still running there (``MCORE_OFFLOAD_FORWARD_END=wait``): copies
 that trail the forward would otherwise still count at the peak after it, and the job's worst step would free less than
-it offloads (session 83's A on a fast host: 750 of 1424 MiB in its worst step). A run the share sent
-back to the defaults still switches where the host runs ahead in ``AHEAD_STEPS`` steps in a row
-(``summary.host_ran_ahead``: nearly all a forward offloads still copying at its end).
+it offloads (session 83's A on a fast host: 750 of 1424 MiB in its worst step). A run the share sent back to the
+defaults still switches where the host runs ahead in ``AHEAD_STEPS`` steps in a row (``summary.host_ran_ahead``: nearly
+all a forward offloads still copying at its end).
 
 Kept settings are judged by the telemetry the runtime keeps anyway: where the compute stream waits on the copy-out
 bursts (``StepLink.bound_ms``) for more than ``REVERT_STALL_MIN_MS`` and ``REVERT_STALL_SHARE`` of a step's forward
