@@ -271,5 +271,7 @@ class HostAheadAdapter:
             "%.1f ms a step on the copies, on average (more than %.1f ms of a %.0f ms forward and backward), so the "
             "link does not keep up with the forward: the default copy-out bursts are back from step %d, the compute "
             "stream waiting at each forward's end for the copies still running, so that they do not count at a peak "
-            "after it. Offload fewer points for less step time", timed[0].step, timed[-1].step,
+            "after it. If the step time grew, offload fewer points (under pipeline parallelism these waits can fall "
+            "where the GPU waits for another stage anyway: compare with MCORE_OFFLOAD_HOST_AHEAD=warn)",
+            timed[0].step, timed[-1].step,
             ADAPTED_IN_FLIGHT, self.bound_ms, margin, step_ms, summary.steps[-1].step + 1)
