@@ -10,7 +10,8 @@ from test_runtime_unit import Toy, cfg, toy_steps, train_step
 
 from mcore_offload.runtime import manager as manager_module
 from mcore_offload.runtime import transport as transport_module
-from mcore_offload.runtime.manager import flush_layers_from_env, get_manager, reload_layers_from_env
+from mcore_offload.runtime.burst_settings import flush_layers_from_env, reload_layers_from_env
+from mcore_offload.runtime.manager import get_manager
 from mcore_offload.runtime.points import step_boundary as points_step_boundary
 from mcore_offload.summary import get_summary
 

@@ -22,9 +22,10 @@ from typing import Any
 
 import torch
 
-from mcore_offload.config import choice_env, positive_int_env
+from mcore_offload.config import choice_env
 from mcore_offload.runtime.auto import AutoPlanner, attention_units, clock_mark, elapsed_ms, parse_auto
 from mcore_offload.runtime.auto_choice import Plan
+from mcore_offload.runtime.burst_settings import flush_layers_from_env, prefetch_from_env, reload_layers_from_env
 from mcore_offload.runtime.enabled import enabled_points_cached, in_backward, point_enabled
 from mcore_offload.runtime.handler import ChunkOffloadHandler
 from mcore_offload.runtime.host_ahead import HostAheadAdapter
@@ -46,31 +47,6 @@ logger = logging.getLogger(__name__)
 
 #: training steps in which a chunk's parameter storages are walked before the set is kept (see begin_chunk)
 PROTECTED_WALKS = 2
-#: layers whose groups leave the device in one copy burst (``MCORE_OFFLOAD_FLUSH_LAYERS``; see layer_boundary)
-DEFAULT_FLUSH_LAYERS = 2
-
-
-def flush_layers_from_env() -> int:
-    """``MCORE_OFFLOAD_FLUSH_LAYERS`` as a positive int (a bad value: one clear sentence)."""
-    return positive_int_env("MCORE_OFFLOAD_FLUSH_LAYERS", DEFAULT_FLUSH_LAYERS,
-                            "set it to 1 to copy each layer's groups out at the next layer's start, or N to copy "
-                            "N layers' groups at once")
-
-
-#: layers whose groups come back in one reload burst (``MCORE_OFFLOAD_RELOAD_LAYERS``; see
-#: prefetch.Prefetch._prefetch). 1: on the H100, 2 saved 2.8 ms of host time per step on A's attention set but
-#: raised C all-five's peak by 76 MiB (session 14)
-DEFAULT_RELOAD_LAYERS = 1
-
-
-#: when backward starts reloading the layer below (``MCORE_OFFLOAD_PREFETCH``; see prefetch.Prefetch._late)
-DEFAULT_PREFETCH = "tail"
-
-
-def reload_layers_from_env() -> int:
-    """``MCORE_OFFLOAD_RELOAD_LAYERS`` as a positive int (a bad value: one clear sentence)."""
-    return positive_int_env("MCORE_OFFLOAD_RELOAD_LAYERS", DEFAULT_RELOAD_LAYERS,
-                            "set it to 1 to reload one layer ahead of backward, or N to reload N layers at once")
 
 
 def _parameter_storages(model: torch.nn.Module) -> tuple[torch.device | None, set[int]]:
@@ -127,7 +103,7 @@ class OffloadManager:
         self.node_hooks = os.environ.get("MCORE_OFFLOAD_NODE_HOOKS", "1") != "0"
         self.flush_layers = flush_layers_from_env()
         self.reload_layers = reload_layers_from_env()
-        self.prefetch = choice_env("MCORE_OFFLOAD_PREFETCH", DEFAULT_PREFETCH, ("layer", "tail", "late"))
+        self.prefetch = prefetch_from_env()
         # a chain's first point reloads in a part of its own, waited for where its backward starts (prefetch.py)
         self.split_chains = choice_env("MCORE_OFFLOAD_SPLIT_CHAINS", "1", ("0", "1")) == "1"
         self.host_memory = host_memory_kind()  # a bad MCORE_OFFLOAD_HOST_MEMORY fails here, before any step
