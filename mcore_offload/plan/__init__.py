@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from mcore_offload.plan.activations import LayerActivations, PointEstimate, Storage, layer_activations
 from mcore_offload.plan.hardware import Hardware, LinkSpeed, TransferTiming, get_hardware, transfer_timing
-from mcore_offload.plan.model import ModelSpec, ParallelLayout, PlanError, TrainingSpec, get_preset, validate
+from mcore_offload.plan.model import ModelSpec, ParallelLayout, PlanError, TrainingSpec, get_preset
 from mcore_offload.plan.peak import Instant, RankTimeline
 from mcore_offload.plan.planner import OffloadSet, Plan, PlanConfig, RankPlan, build_plan
 from mcore_offload.plan.recommend import LayerCost, RankDemand, Recommendation, recommend
@@ -28,6 +28,7 @@ from mcore_offload.plan.schedule import (
     pipeline_order,
     warmup_forwards,
 )
+from mcore_offload.plan.validate import validate
 
 __all__ = [
     "Hardware",

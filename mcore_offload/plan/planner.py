@@ -31,7 +31,7 @@ from mcore_offload.plan.hardware import (
     layer_forward_flops,
     transfer_timing,
 )
-from mcore_offload.plan.model import ModelSpec, ParallelLayout, PlanError, TrainingSpec, validate
+from mcore_offload.plan.model import ModelSpec, ParallelLayout, PlanError, TrainingSpec
 from mcore_offload.plan.peak import ChunkLayers, RankTimeline, chunk_layers, rank_timeline
 from mcore_offload.plan.recommend import (
     MAX_EXPOSED,
@@ -42,6 +42,7 @@ from mcore_offload.plan.recommend import (
     recommend,
 )
 from mcore_offload.plan.schedule import PeakLayers, layer_assignment, peak_layers, schedule_name
+from mcore_offload.plan.validate import validate
 
 logger = logging.getLogger(__name__)
 
