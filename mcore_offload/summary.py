@@ -291,7 +291,7 @@ class OffloadSummary:
         logger.warning(
             "offload step %d: %.0f MiB were still being copied to the host when a chunk's forward ended, so they "
             "still counted at a peak there: the peak drops by up to that much less than the %.0f MiB a forward "
-            "offloads. Likely cause: %s", rec.step, rec.trailing_bytes / 2**20, released / 2**20, advice)
+            "offloads on average. Likely cause: %s", rec.step, rec.trailing_bytes / 2**20, released / 2**20, advice)
         return True
 
     def link_series(self) -> dict[str, list]:

@@ -226,7 +226,10 @@ def test_a_run_on_the_defaults_switches_after_four_host_ahead_steps_in_a_row(rig
     assert rig.transport.telemetry.timing
     [line] = [r.getMessage() for r in caplog.records if "ran ahead" in r.getMessage()]
     assert line.startswith("offload step 9: the host ran ahead of the GPU in 4 steps in a row")
-    assert "1312 of the 1312 MiB" in line and "from step 10" in line
+    # "on average": under pipelining the forwards whose layers stay on the device make the mean lower than one
+    # whole forward's bytes (session 89's D: 368 MiB trailing, 320 on average)
+    assert "1312 MiB still being copied at a forward's end, where a forward offloads 1312 MiB on average" in line
+    assert "from step 10" in line
     # the summary's host-ahead warning is the adapter's to give; step 5's link-behind share warned as before
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warned) == 1 and "600 MiB were still being copied" in warned[0] and "link behind" in warned[0]
