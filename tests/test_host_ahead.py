@@ -290,7 +290,7 @@ def test_a_wait_for_copy_out_bursts_counts_their_bytes_and_its_own_telemetry_kin
     from collections import deque
 
     from mcore_offload.runtime.transport import CudaTransport
-    from tests.test_runtime_unit import _Burst, _Held
+    from tests.test_trailing_copies import _Burst, _Held
 
     tel = LinkTelemetry(FakeEvent)
     t = object.__new__(CudaTransport)
