@@ -242,10 +242,9 @@ class HostAheadAdapter:
         logger.info(
             "offload step %d: the host ran ahead of the GPU in %d steps in a row (%.0f MiB still being copied at a "
             "forward's end, where a forward offloads %.0f MiB on average, so no copied block went back during the "
-            "forward): from step %d, "
-            "one copy-out burst per layer with at most %d in flight, as MCORE_OFFLOAD_FLUSH_LAYERS=%d "
-            "MCORE_OFFLOAD_D2H_IN_FLIGHT=%d (%s=warn keeps the defaults)", rec.step, AHEAD_STEPS,
-            rec.trailing_bytes / 2**20, released / 2**20, self.adapted_at, ADAPTED_IN_FLIGHT,
+            "forward): from step %d, one copy-out burst per layer with at most %d in flight, as "
+            "MCORE_OFFLOAD_FLUSH_LAYERS=%d MCORE_OFFLOAD_D2H_IN_FLIGHT=%d (%s=warn keeps the defaults)",
+            rec.step, AHEAD_STEPS, rec.trailing_bytes / 2**20, released / 2**20, self.adapted_at, ADAPTED_IN_FLIGHT,
             ADAPTED_FLUSH_LAYERS, ADAPTED_IN_FLIGHT, HOST_AHEAD_VARIABLE)
 
     def _judge(self, summary: OffloadSummary, manager: Any, transports: list[Any]) -> None:
